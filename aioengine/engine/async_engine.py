@@ -1,0 +1,214 @@
+"""AsyncEngine: the engine on an asyncio (uvloop) event loop.
+
+One task, the step loop, drives ``EngineCore``: schedule, hand the step to the
+executor (the worker computes while the loop serves HTTP), apply the result,
+push ``RequestOutput``s into per-request queues. API handlers call
+``add_request`` (validation errors raise before anything is streamed) and
+iterate the returned ``RequestStream``; leaving the iteration early (client
+gone, cancel) aborts the request and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aioengine.config import EngineConfig
+from aioengine.engine.core import EngineCore, EngineStats
+from aioengine.engine.executor import make_executor
+from aioengine.models.loader import load_tokenizer, model_display_name
+from aioengine.sampling_params import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The worker died; in-flight requests were ended (HTTP 503)."""
+
+
+class RequestStream:
+    """Async iterator of one request's ``RequestOutput``s; the last has ``finished``.
+
+    Breaking out of the iteration, or cancelling the task iterating it,
+    aborts the request.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put_nowait(output)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                output = await self._queue.get()
+                self.finished = output.finished
+                if output.error is not None:
+                    raise EngineDeadError(output.error)
+                yield output
+        finally:
+            if not self.finished:
+                self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Tokenizer, ``EngineCore`` and executor behind an async API.
+
+    Use ``engine = await AsyncEngine.start(config)``, then
+    ``stream = engine.add_request(...)`` and ``async for out in stream``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = config.model.model_path
+        self.served_model_name = config.model.served_model_name or model_display_name(
+            self.model_path)
+        self.tokenizer = None
+        self.executor = None
+        self.core: EngineCore | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._wakeup = asyncio.Event()
+        self._step_task: asyncio.Task | None = None
+        self._counter = 0
+        self.started_at = time.time()
+        self.healthy = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the tokenizer and start the worker (in threads: the loop stays free)."""
+        self = cls(config)
+        tokenizer_future = asyncio.to_thread(load_tokenizer, self.model_path)
+        executor_future = asyncio.to_thread(make_executor, config)
+        self.tokenizer, self.executor = await asyncio.gather(tokenizer_future, executor_future)
+        self.core = EngineCore(config, self.tokenizer, self.executor.num_blocks,
+                               self.executor.max_model_len)
+        self._step_task = asyncio.get_running_loop().create_task(self._step_loop())
+        self.healthy = True
+        return self
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.core is not None
+        return self.core.max_model_len
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        self._counter += 1
+        return f"{prefix}-{self._counter}"
+
+    # -- requests ----------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """Queue a request and return its stream.
+
+        Raises:
+            EngineDeadError: the worker is down (503).
+            RequestRejected, SamplingParamError: can never run (400).
+            SchedulerQueueFull: too many waiting (429).
+        """
+        if not self.healthy or self.core is None:
+            raise EngineDeadError("the engine is not ready")
+        self.core.add_request(request_id, prompt_token_ids, params, priority, cache_salt)
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._wakeup.set()
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        """Tokenize (in a thread) and stream outputs; see ``add_request`` for errors."""
+        token_ids = prompt if isinstance(prompt, list) else await self.tokenize(prompt)
+        stream = self.add_request(request_id or self.new_request_id(), token_ids, params, priority)
+        async for output in stream:
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """End a request now and free its blocks; unknown ids are ignored."""
+        self._streams.pop(request_id, None)
+        if self.core is not None:
+            self.core.abort_request(request_id)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) < 2048:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text,
+                                       add_special_tokens=add_special_tokens)
+
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
+                                  ) -> list[int]:
+        """Token ids of a conversation under the model's own chat template.
+
+        Raises:
+            ValueError: the template rejects the messages.
+        """
+        def render() -> list[int]:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            return await asyncio.to_thread(render)
+        except Exception as exc:  # jinja2 TemplateError and friends
+            raise ValueError(f"chat template failed: {exc}") from exc
+
+    def stats(self) -> EngineStats:
+        assert self.core is not None
+        return self.core.stats()
+
+    # -- the step loop ---------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        core = self.core
+        assert core is not None
+        while True:
+            if not core.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            t0 = time.perf_counter()
+            so = core.schedule()
+            if so.num_reqs == 0 and not so.finished_req_ids:
+                # Nothing fits right now (should not happen with a valid cache size).
+                await asyncio.sleep(0)
+                continue
+            try:
+                ro = await self.executor.execute_model_async(so)
+            except Exception as exc:  # worker died or failed the step
+                logger.exception("model step failed")
+                self._fail_all(f"engine error: {exc}")
+                continue
+            for output in core.process_output(so, ro):
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put(output)
+                    if output.finished:
+                        del self._streams[output.request_id]
+            core.last_step_time = time.perf_counter() - t0
+            # Let handlers run between steps even when the executor answered at once.
+            await asyncio.sleep(0)
+
+    def _fail_all(self, message: str) -> None:
+        assert self.core is not None
+        for output in self.core.fail_all(message):
+            stream = self._streams.pop(output.request_id, None)
+            if stream is not None:
+                stream.put(output)
+
+    async def shutdown(self) -> None:
+        """Stop the step loop and the worker."""
+        self.healthy = False
+        if self._step_task is not None:
+            self._step_task.cancel()
+            try:
+                await self._step_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.core is not None:
+            self._fail_all("the server is shutting down")
+        if self.executor is not None:
+            await asyncio.to_thread(self.executor.shutdown)

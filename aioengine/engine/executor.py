@@ -1,0 +1,52 @@
+"""Executors run model steps: in this process, or in a worker subprocess.
+
+Both offer the same interface, so ``LLM`` and ``AsyncEngine`` do not care
+where the model runs:
+
+- ``num_blocks``, ``max_model_len``: from the worker's handshake.
+- ``execute_model(so)``: run a step, blocking.
+- ``await execute_model_async(so)``: run a step without blocking the loop.
+- ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aioengine.config import EngineConfig
+from aioengine.ipc.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class InprocExecutor:
+    """Runs the ``ModelRunner`` in this process (tests, debugging, ``LLM`` with
+    ``executor="inproc"``). The async form runs the step in a thread so the
+    event loop stays free."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from aioengine.worker.model_runner import ModelRunner
+
+        if config.parallel.num_threads:
+            import torch
+            torch.set_num_threads(config.parallel.num_threads)
+        self.runner = ModelRunner(config)
+        self.num_blocks = self.runner.num_blocks
+        self.max_model_len = self.runner.max_model_len
+        self.load_time = self.runner.load_time
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(so)
+
+    async def execute_model_async(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return await asyncio.to_thread(self.runner.execute_model, so)
+
+    def shutdown(self) -> None:
+        self.runner = None  # type: ignore[assignment]
+
+
+def make_executor(config: EngineConfig):
+    """The executor ``config.parallel.executor`` names."""
+    if config.parallel.executor == "inproc":
+        return InprocExecutor(config)
+    from aioengine.engine.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config)

@@ -1,0 +1,140 @@
+"""Typed step messages between the engine and the worker (msgpack via msgspec).
+
+Each message is a tagged, array-like ``msgspec.Struct``: a one-field tag and
+positional fields, so a decode step for 32 requests is a few hundred bytes.
+Deltas only: a request's prompt, sampling settings and block table cross once
+(``NewRequestData``); afterwards only its new block ids and token counts do
+(``CachedRequestData``). No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingMetadata(msgspec.Struct, array_like=True):
+    """What the worker's sampler needs of one request's SamplingParams.
+
+    ``seed`` is always set (the engine draws one when the request gave none) so
+    every request samples from its own generator. ``logprobs`` -1 means none.
+    ``stop_token_ids`` holds EOS too unless ``ignore_eos``; they are masked
+    until ``min_tokens`` tokens were generated.
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int
+    logprobs: int
+    min_tokens: int
+    stop_token_ids: list[int]
+    logit_bias: list[tuple[int, float]]
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the worker has not seen: all of its tokens and its block table."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingMetadata
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """A request the worker knows: blocks added since last step.
+
+    When ``resumed`` is true the request was preempted and ``new_block_ids``
+    is its whole new block table (replacing the old one).
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed: bool = False
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
+    """One step's work. ``num_scheduled_tokens`` lists new requests first, then
+    cached ones, in the order given."""
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: list[int]
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+    def req_ids(self) -> list[str]:
+        return [r.req_id for r in self.scheduled_new_reqs] + [
+            r.req_id for r in self.scheduled_cached_reqs
+        ]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=2):
+    """Sampled tokens of one step, aligned with ``SchedulerOutput.req_ids()``.
+
+    ``sampled_token_ids[i]`` is -1 for a request whose prompt is still being
+    prefilled (nothing sampled). ``logprobs[i]``, when requested, holds the
+    sampled token's logprob first, then the top alternatives, as
+    ``(token_id, logprob)`` pairs. Times are in seconds, measured in the worker.
+    """
+
+    step_id: int
+    sampled_token_ids: list[int]
+    logprobs: list[list[tuple[int, float]] | None] | None
+    forward_time: float
+    sample_time: float
+
+
+class WorkerReady(msgspec.Struct, array_like=True, tag=3):
+    """Handshake from the worker once weights and KV cache are in place."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    weight_bytes: int
+    load_time: float
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag=4):
+    """Ask the worker to exit cleanly."""
+
+
+class WorkerError(msgspec.Struct, array_like=True, tag=5):
+    """The worker failed a step or its start; ``message`` is the traceback."""
+
+    message: str
+
+
+ToWorker = SchedulerOutput | Shutdown
+FromWorker = ModelRunnerOutput | WorkerReady | WorkerError
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
+_from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_worker(data: bytes | memoryview) -> SchedulerOutput | Shutdown:
+    return _to_worker_decoder.decode(data)
+
+
+def decode_from_worker(data: bytes | memoryview) -> ModelRunnerOutput | WorkerReady | WorkerError:
+    return _from_worker_decoder.decode(data)

@@ -1,0 +1,241 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) on a paged KV cache.
+
+The forward pass runs one flat, ragged batch: every scheduled request's new
+tokens are concatenated into ``[num_tokens]`` ids, and attention follows each
+request's block table (PagedAttention, Kwon et al. 2023, §4.1). K/V of the
+new tokens are written into the cache slots of ``slot_mapping`` first, then
+attention reads the cache, so prefills, prefill chunks, prefix-cache hits and
+decodes all take the same path.
+
+Numerics follow HF transformers' ``LlamaForCausalLM`` (RMSNorm in fp32,
+rotate-half RoPE, SiLU-gated MLP) so greedy tokens match it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import triton_kernels
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flat batch lives in the paged cache.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 cache slot (block_id * block_size + offset).
+        block_tables: ``[num_seqs, max_num_blocks_per_seq]`` int32.
+        cu_seqlens_q: ``[num_seqs + 1]`` int32 offsets of each request's new tokens.
+        seq_lens: ``[num_seqs]`` int32 context length including the new tokens.
+        max_seqlen_q, max_seqlen_k: host-side maxima of the two.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The shape of a Llama-family model, read from an HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    inv_freq: torch.Tensor
+    attention_scaling: float
+
+    @classmethod
+    def from_hf_config(cls, config) -> LlamaArch:
+        """Raises: ValueError for an architecture this module does not implement."""
+        model_type = getattr(config, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
+                             f"num_key_value_heads {num_kv_heads}")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        inv_freq, attention_scaling = _rope_inv_freq(config, head_dim)
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(config, "attention_bias", False)) or model_type == "qwen2",
+            inv_freq=inv_freq,
+            attention_scaling=attention_scaling,
+        )
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies ``[head_dim // 2]`` fp32 (Su et al. 2021, RoFormer §3.4).
+
+    The default schedule is computed here; scaled variants (llama3, yarn,
+    linear, dynamic ...) come from transformers' ``ROPE_INIT_FUNCTIONS``.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (theta ** exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) computed in fp32 as HF does. ``x``: ``[num_tokens, hidden]``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables ``[max_position, head_dim // 2]`` and their application.
+
+    ``apply`` rotates ``[num_tokens, heads, head_dim]`` by rotate-half (GPT-NeoX
+    layout, the one HF Llama uses after un-permuting GGUF Q/K weights).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, max_position: int, scaling: float,
+                 dtype: torch.dtype) -> None:
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.cos = (freqs.cos() * scaling).to(dtype)
+        self.sin = (freqs.sin() * scaling).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaForCausalLM:
+    """Our Llama forward over the paged KV cache.
+
+    Weights are plain tensors (``F.linear``), with Q/K/V and gate/up fused
+    into one matmul each.
+
+    Args:
+        arch: model shape.
+        weights: ``{hf_name: tensor}`` as produced by ``loader.load_weights``.
+        dtype: compute dtype.
+    """
+
+    def __init__(self, arch: LlamaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 max_model_len: int) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.scale = arch.head_dim ** -0.5
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return weights.pop(name).to(dtype).contiguous()
+            except KeyError:
+                raise ValueError(f"weight {name!r} missing from the checkpoint") from None
+
+        self.embed_tokens = take("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "input_layernorm": take(p + "input_layernorm.weight"),
+                "post_attention_layernorm": take(p + "post_attention_layernorm.weight"),
+                "qkv_proj": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                "o_proj": take(p + "self_attn.o_proj.weight"),
+                "gate_up_proj": torch.cat([take(p + "mlp.gate_proj.weight"),
+                                           take(p + "mlp.up_proj.weight")]),
+                "down_proj": take(p + "mlp.down_proj.weight"),
+                "qkv_bias": None,
+            }
+            if arch.attention_bias:
+                layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(layer)
+        self.norm = take("model.norm.weight")
+        if arch.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = take("lm_head.weight")
+        self.rotary = RotaryEmbedding(arch.inv_freq, max(max_model_len, 1), arch.attention_scaling,
+                                      dtype)
+
+    def parameter_bytes(self) -> int:
+        tensors = [self.embed_tokens, self.norm] + [t for layer in self.layers
+                                                     for t in layer.values() if t is not None]
+        if self.lm_head is not self.embed_tokens:
+            tensors.append(self.lm_head)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64.
+            positions: ``[num_tokens]`` int64 absolute positions.
+            kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            attn: where the tokens live in the cache.
+
+        Returns:
+            ``[num_tokens, hidden_size]``.
+        """
+        arch = self.arch
+        num_tokens = input_ids.shape[0]
+        cos = self.rotary.cos[positions].unsqueeze(1)
+        sin = self.rotary.sin[positions].unsqueeze(1)
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            residual = hidden
+            x = rms_norm(hidden, layer["input_layernorm"], arch.rms_norm_eps)
+            qkv = F.linear(x, layer["qkv_proj"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.rotary.apply(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
+            k = self.rotary.apply(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
+            v = v.reshape(num_tokens, arch.num_kv_heads, arch.head_dim)
+            key_cache, value_cache = kv_cache[i, 0], kv_cache[i, 1]
+            triton_kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+            o = triton_kernels.paged_attention(
+                q, key_cache, value_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens,
+                self.scale, attn.max_seqlen_q, attn.max_seqlen_k)
+            hidden = residual + F.linear(o.reshape(num_tokens, self.q_size), layer["o_proj"])
+            residual = hidden
+            x = rms_norm(hidden, layer["post_attention_layernorm"], arch.rms_norm_eps)
+            gate, up = F.linear(x, layer["gate_up_proj"]).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer["down_proj"])
+        return rms_norm(hidden, self.norm, arch.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[num_rows, hidden]`` -> fp32 logits ``[num_rows, vocab_size]``."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,246 @@
+"""Turns a ``SchedulerOutput`` delta into batch tensors, runs the model, samples.
+
+The runner keeps a persistent batch (vLLM v1's ``InputBatch`` idea): each
+live request owns a row of two numpy arrays, ``token_ids[row, :]`` and
+``block_table[row, :]``, updated by deltas only. A step's inputs are built
+from those rows with vectorized indexing: no loop over tokens, and the only
+per-request Python work is reading the step's small delta.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from aioengine.config import EngineConfig
+from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, SchedulerOutput
+from aioengine.models.llama import AttentionMetadata, LlamaArch, LlamaForCausalLM
+from aioengine.models.loader import load_hf_config, load_weights
+from aioengine.worker.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CachedRequestState:
+    """What the worker remembers of a request between steps."""
+
+    req_id: str
+    row: int
+    num_prompt_tokens: int
+    num_tokens: int
+    num_blocks: int
+    sampling: SamplingMetadata
+    generator: torch.Generator
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
+    requested = config.model.max_model_len
+    if requested and requested > model_max:
+        raise ValueError(f"max_model_len {requested} exceeds the model's {model_max}")
+    return requested or model_max
+
+
+class ModelRunner:
+    """Owns the model weights and the KV cache tensor
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Args:
+        config: engine settings (model path, dtype, cache sizing).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.dtype = DTYPES[config.model.dtype]
+        path = config.model.model_path
+        hf_config = load_hf_config(path)
+        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.max_model_len = resolve_max_model_len(config, hf_config)
+        weights = load_weights(path, hf_config, self.dtype)
+        self.model = LlamaForCausalLM(self.arch, weights, self.dtype, self.max_model_len + 1)
+        self.block_size = config.cache.block_size
+        self.num_blocks = self._num_blocks()
+        a = self.arch
+        self.kv_cache = torch.zeros(a.num_layers, 2, self.num_blocks, self.block_size,
+                                    a.num_kv_heads, a.head_dim, dtype=self.dtype)
+        self.max_blocks_per_seq = -(-(self.max_model_len + 1) // self.block_size)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_rows: list[int] = []
+        self._capacity = 0
+        self.token_ids = np.zeros((0, self.max_model_len + 1), dtype=np.int64)
+        self.block_table = np.zeros((0, self.max_blocks_per_seq), dtype=np.int32)
+        self._grow(max(8, config.scheduler.max_num_seqs))
+        self.load_time = time.perf_counter() - t0
+        logger.info("model ready: %d blocks of %d tokens, %.1f s", self.num_blocks,
+                    self.block_size, self.load_time)
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        a = self.arch
+        bytes_per_block = (a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim
+                           * torch.finfo(self.dtype).bits // 8)
+        num_blocks = cache.kv_cache_memory_bytes // bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} holds "
+                             f"{num_blocks} blocks of {bytes_per_block} bytes; need at least 2")
+        return int(num_blocks)
+
+    def _grow(self, capacity: int) -> None:
+        old = self._capacity
+        self.token_ids = np.resize(self.token_ids, (capacity, self.token_ids.shape[1]))
+        self.block_table = np.resize(self.block_table, (capacity, self.block_table.shape[1]))
+        self._free_rows.extend(range(capacity - 1, old - 1, -1))
+        self._capacity = capacity
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            self._grow(self._capacity * 2)
+        return self._free_rows.pop()
+
+    # -- applying the delta ----------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> list[CachedRequestState]:
+        for req_id in so.finished_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self._free_rows.append(state.row)
+        # Preempted requests keep their row (token ids) and generator; their
+        # block table is replaced when they resume.
+        scheduled = []
+        for new in so.scheduled_new_reqs:
+            row = self._take_row()
+            n = len(new.token_ids)
+            self.token_ids[row, :n] = new.token_ids
+            self.block_table[row, :len(new.block_ids)] = new.block_ids
+            gen = torch.Generator()
+            gen.manual_seed(new.sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)
+            state = CachedRequestState(new.req_id, row, new.num_prompt_tokens, n,
+                                       len(new.block_ids), new.sampling, gen)
+            self.requests[new.req_id] = state
+            scheduled.append(state)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            ids = cached.new_block_ids
+            if cached.resumed:
+                state.num_blocks = 0
+            self.block_table[state.row, state.num_blocks:state.num_blocks + len(ids)] = ids
+            state.num_blocks += len(ids)
+            scheduled.append(state)
+        return scheduled
+
+    # -- one step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Raises KeyError if the delta names an unknown request."""
+        t0 = time.perf_counter()
+        states = self._update_states(so)
+        if not states:
+            return ModelRunnerOutput(so.step_id, [], None, 0.0, 0.0)
+        num_computed = np.array([r.num_computed_tokens for r in so.scheduled_new_reqs]
+                                + [r.num_computed_tokens for r in so.scheduled_cached_reqs],
+                                dtype=np.int64)
+        num_sched = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        num_tokens_known = np.array([s.num_tokens for s in states], dtype=np.int64)
+
+        cu = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=cu[1:])
+        total = int(cu[-1])
+        req_of_token = np.repeat(np.arange(len(states)), num_sched)
+        positions = num_computed[req_of_token] + np.arange(total) - cu[req_of_token]
+        row_of_token = rows[req_of_token]
+        input_ids = self.token_ids[row_of_token, positions]
+        bs = self.block_size
+        slot_mapping = (self.block_table[row_of_token, positions // bs].astype(np.int64) * bs
+                        + positions % bs)
+        seq_lens = num_computed + num_sched
+        max_seqlen_k = int(seq_lens.max())
+        block_tables = self.block_table[rows, :-(-max_seqlen_k // bs)]
+        sampling_mask = seq_lens >= num_tokens_known
+        logits_indices = cu[1:][sampling_mask] - 1
+
+        attn = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)),
+            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            max_seqlen_q=int(num_sched.max()),
+            max_seqlen_k=max_seqlen_k,
+        )
+        hidden = self.model.forward(torch.from_numpy(input_ids), torch.from_numpy(positions),
+                                    self.kv_cache, attn)
+        sampled = np.full(len(states), -1, dtype=np.int64)
+        logprobs_out = None
+        t1 = time.perf_counter()
+        if len(logits_indices):
+            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices)])
+            sampling_states = [s for s, m in zip(states, sampling_mask) if m]
+            tokens, logprobs = sample(logits, self._sampling_batch(sampling_states))
+            tokens_np = tokens.numpy()
+            sampled[sampling_mask] = tokens_np
+            for state, token in zip(sampling_states, tokens_np.tolist()):
+                if state.num_tokens <= self.max_model_len:
+                    self.token_ids[state.row, state.num_tokens] = token
+                    state.num_tokens += 1
+            if logprobs is not None:
+                logprobs_out = [None] * len(states)
+                for k, lp in zip(np.flatnonzero(sampling_mask).tolist(), logprobs):
+                    logprobs_out[k] = lp
+        t2 = time.perf_counter()
+        return ModelRunnerOutput(so.step_id, sampled.tolist(), logprobs_out, t1 - t0, t2 - t1)
+
+    def _sampling_batch(self, states: list[CachedRequestState]) -> SamplingBatch:
+        params = [s.sampling for s in states]
+
+        def col(name: str, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype)
+
+        greedy = [p.temperature < 1e-5 for p in params]
+        batch = SamplingBatch(
+            temperature=col("temperature"), top_p=col("top_p"), top_k=col("top_k", torch.int64),
+            min_p=col("min_p"), presence_penalty=col("presence_penalty"),
+            frequency_penalty=col("frequency_penalty"),
+            repetition_penalty=col("repetition_penalty"),
+            generators=[s.generator for s in states], greedy=greedy,
+            num_logprobs=[p.logprobs for p in params],
+            all_greedy=all(greedy),
+        )
+        sampled_rows = [p for p, g in zip(params, greedy) if not g]
+        batch.need_top_k = any(p.top_k > 0 for p in sampled_rows)
+        batch.need_top_p = any(p.top_p < 1.0 for p in sampled_rows)
+        batch.need_min_p = any(p.min_p > 0.0 for p in sampled_rows)
+        batch.need_penalties = any(p.presence_penalty or p.frequency_penalty
+                                   or p.repetition_penalty != 1.0 for p in params)
+        if batch.need_penalties:
+            rows = np.array([s.row for s in states])
+            n_tok = np.array([s.num_tokens for s in states])
+            n_prompt = np.array([s.num_prompt_tokens for s in states])
+            width = int(n_tok.max())
+            ids = self.token_ids[rows, :width]
+            pos = np.arange(width)[None, :]
+            out = np.where((pos >= n_prompt[:, None]) & (pos < n_tok[:, None]), ids, -1)
+            prompt = np.where(pos < n_prompt[:, None], ids, -1)
+            batch.output_token_ids = torch.from_numpy(out)
+            if any(p.repetition_penalty != 1.0 for p in params):
+                batch.prompt_token_ids = torch.from_numpy(prompt)
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        if bias:
+            r, t, b = zip(*bias)
+            batch.logit_bias = (torch.tensor(r), torch.tensor(t).clamp(0, self.arch.vocab_size - 1),
+                                torch.tensor(b, dtype=torch.float32))
+        masked = [(i, t) for i, (s, p) in enumerate(zip(states, params))
+                  if s.num_tokens - s.num_prompt_tokens < p.min_tokens for t in p.stop_token_ids
+                  if t < self.arch.vocab_size]
+        if masked:
+            r, t = zip(*masked)
+            batch.min_tokens_mask = (torch.tensor(r), torch.tensor(t))
+        return batch

@@ -1,0 +1,83 @@
+"""Worker subprocess entry: load the model, allocate the KV cache, serve steps.
+
+Started with the ``spawn`` method by ``MultiprocExecutor``. It reads
+``SchedulerOutput`` messages from the engine->worker ring and answers each
+with a ``ModelRunnerOutput`` on the worker->engine ring; the first message it
+sends is the ``WorkerReady`` handshake with ``num_blocks``. It exits on a
+``Shutdown`` message, when the engine closes its ring (end of file on the
+doorbell), or, through ``PR_SET_PDEATHSIG``, when the engine process dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import traceback
+
+from aioengine.config import EngineConfig
+from aioengine.ipc.messages import (
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+    decode_to_worker,
+    encode,
+)
+from aioengine.ipc.shm_ring import RingHandle, ShmRing
+
+logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handle: RingHandle,
+                parent_pid: int) -> None:
+    """Run until shutdown. Never raises: failures go back as ``WorkerError``."""
+    _die_with_parent(parent_pid)
+    # Ctrl-C in a terminal reaches the whole process group; the engine decides
+    # when the worker stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ring_in = ShmRing.attach(ring_in_handle)
+    ring_out = ShmRing.attach(ring_out_handle)
+    try:
+        import torch
+
+        if config.parallel.num_threads:
+            torch.set_num_threads(config.parallel.num_threads)
+        from aioengine.worker.model_runner import ModelRunner
+
+        runner = ModelRunner(config)
+        ring_out.put(encode(WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
+                                        runner.model.parameter_bytes(), runner.load_time)))
+    except BaseException:
+        ring_out.put(encode(WorkerError(traceback.format_exc())))
+        return
+    try:
+        while True:
+            try:
+                msg = decode_to_worker(ring_in.get())
+            except EOFError:
+                break
+            if isinstance(msg, Shutdown):
+                break
+            try:
+                out = runner.execute_model(msg)
+            except Exception:
+                ring_out.put(encode(WorkerError(traceback.format_exc())))
+                continue
+            ring_out.put(encode(out))
+    except BrokenPipeError:
+        pass
+    finally:
+        ring_in.close()
+        ring_out.close()
