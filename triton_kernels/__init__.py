@@ -1,0 +1,159 @@
+"""Paged KV-cache attention for aioengine: Triton kernels on CUDA, torch on CPU.
+
+The model calls only the functions below. Each dispatches on the device of its
+tensors: CUDA tensors go to the Triton kernels (``cache_ops.py``,
+``paged_attention.py``), anything else to the torch implementation in
+``reference.py``. Triton is imported on the first CUDA call, so the CPU path
+works where Triton is missing or broken.
+
+This package imports nothing from ``aioengine``: it needs only torch (and Triton
+for CUDA). OpenAI ships an unrelated package also named ``triton_kernels``; the
+two must not be installed in one environment.
+
+Layout the functions share:
+
+- ``key_cache``, ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
+  each (``kv_cache[layer, 0]`` and ``kv_cache[layer, 1]``); head_dim stride 1.
+  Allocate the cache with ``torch.zeros``: the CPU path reads, then masks, unused slots,
+  and a NaN there would leak through the masked softmax.
+- ``block_tables``: ``[num_seqs, max_num_blocks_per_seq]`` int32; padding entries are
+  arbitrary and never used.
+- ``cu_seqlens_q``: ``[num_seqs + 1]`` int32; ``seq_lens``: ``[num_seqs]`` int32 context
+  lengths including this step's tokens (whose K/V ``reshape_and_cache`` has written).
+- ``max_seqlen_q``, ``max_seqlen_k``: the exact maxima as Python ints, so launching
+  a kernel never waits on the GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from . import reference
+
+__all__ = [
+    "paged_attention",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "reshape_and_cache",
+]
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write this step's K/V into the paged cache, in place (PagedAttention, Kwon et al. 2023,
+    §4.1).
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype; views
+            of a fused QKV projection are fine (head_dim stride 1 on CUDA).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int64 (int32 accepted); slot = block_id *
+            block_size + offset; -1 skips the token.
+
+    Raises:
+        ValueError: on mismatched shapes, dtypes, devices or (CUDA) strides.
+    """
+    if key_cache.is_cuda:
+        from .cache_ops import reshape_and_cache as impl
+    else:
+        impl = reference.reshape_and_cache
+    impl(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, max_seqlen_q: int,
+                    max_seqlen_k: int) -> torch.Tensor:
+    """Causal attention of any batch over the paged KV cache.
+
+    One entry for decode, prefill, chunked prefill, prompts with a cached prefix and
+    mixed batches. Sequence i owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``
+    (q_len_i of them); its row j sits at position ``seq_lens[i] - q_len_i + j`` and
+    attends to key positions 0..position. Query head h reads KV head
+    ``h // (num_heads // num_kv_heads)`` (GQA). Softmax in fp32.
+
+    On CUDA: the decode kernel when ``max_seqlen_q == 1`` and every sequence has one row
+    (split-K Flash-Decoding when the batch cannot fill the GPU), else the prefill kernel.
+    Elsewhere: the torch reference.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``, ragged over sequences.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+            the query's dtype (fp16, bf16 or fp32).
+        block_tables: ``[num_seqs, max_num_blocks_per_seq]`` int32.
+        cu_seqlens_q: ``[num_seqs + 1]`` int32.
+        seq_lens: ``[num_seqs]`` int32, new tokens included.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        max_seqlen_q, max_seqlen_k: ``max(q_len)``, ``max(seq_lens)`` as Python ints.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in the query's dtype.
+
+    Raises:
+        ValueError: on mismatched shapes, dtypes, devices or (CUDA) strides.
+    """
+    if not query.is_cuda:
+        return reference.paged_attention(query, key_cache, value_cache, block_tables,
+                                         cu_seqlens_q, seq_lens, scale, max_seqlen_q,
+                                         max_seqlen_k)
+    if max_seqlen_q == 1 and query.shape[0] == seq_lens.shape[0]:
+        from .paged_attention import paged_attention_decode as decode
+        return decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                      max_seqlen_k)
+    from .paged_attention import paged_attention_prefill as prefill
+    return prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                   max_seqlen_q, max_seqlen_k)
+
+
+def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float,
+                           max_seqlen_k: int) -> torch.Tensor:
+    """Decode-only attention: ``query`` is ``[num_seqs, num_heads, head_dim]``, one new
+    token per sequence; other arguments as in ``paged_attention``. Triton on CUDA (split-K
+    chosen automatically), torch elsewhere.
+
+    Raises:
+        ValueError: on mismatched shapes, dtypes, devices or (CUDA) strides.
+    """
+    if query.is_cuda:
+        from .paged_attention import paged_attention_decode as impl
+    else:
+        impl = reference.paged_attention_decode
+    return impl(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seqlen_k)
+
+
+def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+    """``paged_attention`` always through the prefill/extend path (the Triton prefill kernel
+    on CUDA, even for decode rows). Same arguments and errors."""
+    if query.is_cuda:
+        from .paged_attention import paged_attention_prefill as impl
+    else:
+        impl = reference.paged_attention_prefill
+    return impl(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                max_seqlen_q, max_seqlen_k)
+
+
+class _Package(types.ModuleType):
+    """This package's module type.
+
+    Importing the submodule ``triton_kernels.paged_attention`` makes Python set the
+    package attribute of the same name to that submodule, which would replace the
+    ``paged_attention`` function above for every later ``triton_kernels.paged_attention(...)``
+    call. The submodule stays reachable through ``sys.modules`` and
+    ``from triton_kernels.paged_attention import ...``.
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "paged_attention" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
