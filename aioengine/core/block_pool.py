@@ -56,7 +56,7 @@ class KVCacheBlock:
         prev_free_block, next_free_block: links of the free queue.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+    __slots__ = ("block_hash", "block_id", "next_free_block", "prev_free_block", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -194,11 +194,19 @@ class BlockPool:
         return blocks
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a block that just became full; the first writer of a hash wins."""
+        """Register a block that just became full; the first writer of a hash wins.
+
+        A later block with the same contents (two requests computed the same
+        prefix in one step, or a request recomputed a block it had as its last
+        token) stays unhashed: nothing can find it, so once freed it goes to
+        the front of the free queue instead of pushing findable blocks out.
+        """
         if not self.enable_caching or block.block_hash is not None:
             return
+        if block_hash in self.cached_block_hash_to_block:
+            return
         block.block_hash = block_hash
-        self.cached_block_hash_to_block.setdefault(block_hash, block)
+        self.cached_block_hash_to_block[block_hash] = block
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each; blocks reaching 0 go to the queue's back
@@ -214,6 +222,11 @@ class BlockPool:
                     self.free_block_queue.appendleft(block)
                 else:
                     self.free_block_queue.append(block)
+
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash: its K/V were never written (the step that was
+        to write them did not run for its request), so no request may hit it."""
+        self._evict(block)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:

@@ -3,6 +3,33 @@
 The scheduler talks to this class only: ``get_computed_blocks`` finds the
 longest cached prefix, ``allocate_slots`` reserves blocks for new tokens (or
 changes nothing and returns None), ``free`` returns a request's blocks.
+
+How blocks are shared, and why there is no copy-on-write
+---------------------------------------------------------
+A block is registered in the hash map as soon as it is allocated for the
+tokens that fill it, before the step that writes its K/V has run (as vLLM v1
+does). So a request admitted later in the same step (the next child of an
+``n > 1`` request, or another request with the same system prompt) already
+hits it. That is safe because the model writes every new token's K/V into
+the cache before attention reads the cache, layer by layer
+(``models/llama.py``), so the sharer reads what the owner wrote in the same
+forward pass.
+
+Sharing happens only through such hits, and a hit covers only full blocks
+that lie before the hitting request's first token to compute (a fully cached
+prompt still recomputes its last token). Every request writes only at
+positions from its ``num_computed_tokens`` on, so after the step that fills
+a shared block nobody writes it again, and a partial block, which is where
+new tokens land, is never shared. Copy-on-write would copy nothing, so there
+is none; ``tests/test_prefix_cache.py`` checks this on ``n = 4`` at every
+step.
+
+Registering before writing has one consequence: a request freed before its
+step ran (preempted later in the same ``schedule()`` call) holds registered
+blocks whose K/V were never written. ``free`` forgets those hashes, and
+``num_unwritten_shared_blocks`` tells the scheduler when another request has
+already hit such a block in this step, so preempting the owner would leave
+that request reading K/V nobody writes.
 """
 
 from __future__ import annotations
@@ -30,8 +57,12 @@ class KVCacheManager:
 
     Attributes:
         req_to_blocks: request id -> its block table (``KVCacheBlock`` list).
-        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up and
-            found in the cache (cumulative).
+        prefix_cache_queries, prefix_cache_hits: tokens looked up in the cache
+            and tokens found there, counted once each time a request is
+            admitted (its first successful ``allocate_slots``), cumulative.
+            A lookup whose allocation fails is not counted, so a request
+            that waits for blocks over many steps counts once. Zero while
+            caching is off.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
@@ -62,7 +93,8 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of the request.
 
         At least the last token is always left to compute, since its logits
-        are needed. Counts the lookup in ``prefix_cache_queries/hits``.
+        are needed. The lookup is counted in ``prefix_cache_queries/hits``
+        only once ``allocate_slots`` admits the request with these blocks.
 
         Returns:
             (blocks, num_computed_tokens) where num_computed_tokens =
@@ -78,10 +110,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None
@@ -108,6 +137,10 @@ class KVCacheManager:
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
             return None
+        if self.enable_caching and request.request_id not in self.req_to_blocks:
+            # Admission: count the prefix-cache lookup now that it is used.
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(new_computed_blocks) * self.block_size
         req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
         self.block_pool.touch(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
@@ -128,14 +161,55 @@ class KVCacheManager:
             self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first (its prefix stays cached longest)."""
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        """Release the request's blocks, tail first (its prefix stays cached longest).
+
+        Blocks are registered when allocated, before their K/V are written.
+        A request freed before the step that writes them has run (preempted
+        in the same ``schedule()`` call) passes ``num_valid_tokens``: every
+        block it alone holds that is not fully inside those tokens loses its
+        hash, so no later request hits K/V that were never written. Blocks
+        other requests also hold are left alone (see
+        ``num_unwritten_shared_blocks``).
+
+        Args:
+            num_valid_tokens: tokens whose K/V are written (the request's
+                ``num_computed_tokens`` before this step). None, for a request
+                whose steps have all run (finished, aborted between steps or
+                while its last step is already with the worker), keeps every
+                hash.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if num_valid_tokens is not None:
+            for block in blocks[num_valid_tokens // self.block_size:]:
+                if block.ref_cnt == 1:
+                    self.block_pool.uncache_block(block)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def num_unwritten_shared_blocks(self, request: Request) -> int:
+        """Blocks this request is to write in the current step that other
+        requests have already taken as prefix-cache hits.
+
+        Such a hit (a later ``n > 1`` child, a concurrent request with the
+        same prefix) relies on this request's step writing the K/V. Preempting
+        this request before the step runs leaves the other requests reading
+        K/V nobody writes, so the scheduler must not pick it as a victim while
+        this is nonzero (or must preempt those requests too). Call between
+        ``allocate_slots`` and the step; ``request.num_computed_tokens`` must
+        not yet include the step's tokens.
+        """
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        return sum(1 for block in blocks[request.num_computed_tokens // self.block_size:]
+                   if block.ref_cnt > 1)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (benchmarks' cold runs, weight reloads).
+
+        Returns:
+            False, changing nothing, while any request holds blocks.
+        """
         return self.block_pool.reset_prefix_cache()

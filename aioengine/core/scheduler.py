@@ -126,6 +126,23 @@ class Scheduler:
         new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
 
+        def preempt_worst(than: Request | None = None) -> Request | None:
+            """Preempt the lowest-priority, latest-arrived running request; with
+            ``than``, only one of strictly lower priority than it."""
+            nonlocal budget
+            if not self.running:
+                return None
+            victim = max(self.running, key=Request.sort_key)
+            if than is not None and victim.priority <= than.priority:
+                return None
+            self._preempt(victim)
+            if victim in scheduled_running:
+                scheduled_running.remove(victim)
+                budget += num_scheduled.pop(victim.request_id)
+                new_block_ids.pop(victim.request_id, None)
+            return victim
+
+        # Running requests first: a decode token each, or the next prompt chunk.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -133,21 +150,15 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while True:
-                new_blocks = self.kv.allocate_slots(request, num_new)
-                if new_blocks is not None:
-                    break
-                victim = max(self.running, key=Request.sort_key)
-                victim_index = self.running.index(victim)
-                self._preempt(victim)
-                if victim in scheduled_running:
-                    scheduled_running.remove(victim)
-                    budget += num_scheduled.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id, None)
-                if victim_index < i:
-                    i -= 1
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim_index = self.running.index(max(self.running, key=Request.sort_key))
+                victim = preempt_worst()
                 if victim is request:
                     break
+                if victim_index < i:
+                    i -= 1
+                new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 continue  # this request was itself preempted; the list shifted
             scheduled_running.append(request)
@@ -156,33 +167,44 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        # Then waiting ones in (priority, arrival) order. A waiting request of
+        # strictly higher priority than a running one may preempt it for a seat
+        # or for blocks.
         scheduled_new: list[Request] = []
         resumed: list[Request] = []
-        if not self.preempted_req_ids:
-            while (self.waiting and budget > 0
-                   and len(self.running) < self.config.max_num_seqs):
-                request = self.waiting[0]
-                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit
-                if not self.config.enable_chunked_prefill and num_new > budget:
+        blocked_by_preemption = bool(self.preempted_req_ids)
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if blocked_by_preemption and request.priority >= min(
+                    (r.priority for r in self.running), default=request.priority):
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                if preempt_worst(than=request) is None:
                     break
-                num_new = min(num_new, budget)
-                new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
-                if new_blocks is None:
+                continue
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
+            if new_blocks is None:
+                if preempt_worst(than=request) is None:
                     break
-                self.waiting.pop(0)
-                request.num_computed_tokens = num_hit
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                num_scheduled[request.request_id] = num_new
-                budget -= num_new
-                if request.request_id in self._known_to_worker:
-                    resumed.append(request)
-                else:
-                    scheduled_new.append(request)
-                    self._known_to_worker.add(request.request_id)
+                continue
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            if request.request_id in self._known_to_worker:
+                resumed.append(request)
+            else:
+                scheduled_new.append(request)
+                self._known_to_worker.add(request.request_id)
 
         self._step_id += 1
         new_reqs = [NewRequestData(
@@ -214,7 +236,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        self.kv.free(request, num_valid_tokens=request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
