@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from aioengine.config import EngineConfig
 from aioengine.engine.core import EngineCore, EngineStats
-from aioengine.engine.executor import make_executor
+from aioengine.engine.executor import WorkerDiedError, make_executor
 from aioengine.models.loader import load_tokenizer, model_display_name
 from aioengine.sampling_params import RequestOutput, SamplingParams
 
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The worker died; in-flight requests were ended (HTTP 503)."""
+    """The worker died or is restarting; in-flight requests were ended (HTTP 503)."""
 
 
 class RequestStream:
@@ -78,6 +78,10 @@ class AsyncEngine:
         self._counter = 0
         self.started_at = time.time()
         self.healthy = False
+        self.num_worker_restarts = 0
+        self._restart_task: asyncio.Task | None = None
+        self._stopping = False
+        self._watched_sentinel: int | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -86,11 +90,65 @@ class AsyncEngine:
         tokenizer_future = asyncio.to_thread(load_tokenizer, self.model_path)
         executor_future = asyncio.to_thread(make_executor, config)
         self.tokenizer, self.executor = await asyncio.gather(tokenizer_future, executor_future)
-        self.core = EngineCore(config, self.tokenizer, self.executor.num_blocks,
+        self._begin_serving()
+        return self
+
+    def _begin_serving(self) -> None:
+        """Fresh EngineCore (block manager) for the current executor; start stepping."""
+        self.core = EngineCore(self.config, self.tokenizer, self.executor.num_blocks,
                                self.executor.max_model_len)
+        self._watch_worker()
         self._step_task = asyncio.get_running_loop().create_task(self._step_loop())
         self.healthy = True
-        return self
+
+    # -- worker death and restart ----------------------------------------------------
+    def _watch_worker(self) -> None:
+        """Watch the worker's process sentinel on the loop: it becomes readable
+        the moment the process exits (no polling of ``is_alive()``)."""
+        sentinel = getattr(self.executor, "sentinel", None)
+        if sentinel is None:
+            return
+        self._watched_sentinel = sentinel
+        asyncio.get_running_loop().add_reader(sentinel, self._on_worker_exit)
+
+    def _unwatch_worker(self) -> None:
+        if self._watched_sentinel is not None:
+            asyncio.get_running_loop().remove_reader(self._watched_sentinel)
+            self._watched_sentinel = None
+
+    def _on_worker_exit(self) -> None:
+        self._unwatch_worker()
+        if not self._stopping:
+            code = getattr(self.executor.process, "exitcode", None)
+            self._worker_died(f"the model worker process died (exit code {code})")
+
+    def _worker_died(self, message: str) -> None:
+        """End every in-flight request with ``message`` and restart the worker."""
+        if not self.healthy:
+            return
+        logger.error("%s; restarting it", message)
+        self.healthy = False
+        self._fail_all(message)
+        if self._step_task is not None and self._step_task is not asyncio.current_task():
+            self._step_task.cancel()
+        self._restart_task = asyncio.get_running_loop().create_task(self._restart_worker())
+
+    async def _restart_worker(self) -> None:
+        old = self.executor
+        self._unwatch_worker()
+        await asyncio.to_thread(old.shutdown)   # unlinks the old rings
+        while not self._stopping:
+            try:
+                self.executor = await asyncio.to_thread(make_executor, self.config)
+                break
+            except Exception:
+                logger.exception("worker restart failed; retrying in 1 s")
+                await asyncio.sleep(1.0)
+        if self._stopping:
+            return
+        self.num_worker_restarts += 1
+        self._begin_serving()
+        logger.info("worker restarted (%d restarts so far)", self.num_worker_restarts)
 
     @property
     def max_model_len(self) -> int:
@@ -125,8 +183,14 @@ class AsyncEngine:
         """Tokenize (in a thread) and stream outputs; see ``add_request`` for errors."""
         token_ids = prompt if isinstance(prompt, list) else await self.tokenize(prompt)
         stream = self.add_request(request_id or self.new_request_id(), token_ids, params, priority)
-        async for output in stream:
-            yield output
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            # Leaving early (break, aclose, cancellation) must free the blocks
+            # now, not when the inner iterator is garbage-collected.
+            if not stream.finished:
+                self.abort(stream.request_id)
 
     def abort(self, request_id: str) -> None:
         """End a request now and free its blocks; unknown ids are ignored."""
@@ -178,8 +242,12 @@ class AsyncEngine:
                 continue
             try:
                 ro = await self.executor.execute_model_async(so)
-            except Exception as exc:  # worker died or failed the step
-                logger.exception("model step failed")
+            except WorkerDiedError as exc:
+                if not self.executor.is_alive():
+                    self._worker_died(str(exc))
+                    return
+                # The worker failed this step but lives: end these requests only.
+                logger.error("model step failed: %s", exc)
                 self._fail_all(f"engine error: {exc}")
                 continue
             for output in core.process_output(so, ro):
@@ -200,14 +268,17 @@ class AsyncEngine:
                 stream.put(output)
 
     async def shutdown(self) -> None:
-        """Stop the step loop and the worker."""
+        """Stop the step loop and the worker; in-flight requests end with an error."""
+        self._stopping = True
         self.healthy = False
-        if self._step_task is not None:
-            self._step_task.cancel()
-            try:
-                await self._step_task
-            except (asyncio.CancelledError, Exception):
-                pass
+        self._unwatch_worker()
+        for task in (self._step_task, self._restart_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
         if self.core is not None:
             self._fail_all("the server is shutting down")
         if self.executor is not None:

@@ -17,6 +17,10 @@ from aioengine.config import EngineConfig
 from aioengine.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 
+class WorkerDiedError(RuntimeError):
+    """The worker process exited or failed a step."""
+
+
 class InprocExecutor:
     """Runs the ``ModelRunner`` in this process (tests, debugging, ``LLM`` with
     ``executor="inproc"``). The async form runs the step in a thread so the
@@ -37,7 +41,13 @@ class InprocExecutor:
         return self.runner.execute_model(so)
 
     async def execute_model_async(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return await asyncio.to_thread(self.runner.execute_model, so)
+        try:
+            return await asyncio.to_thread(self.runner.execute_model, so)
+        except Exception as exc:
+            raise WorkerDiedError(f"model step failed: {exc!r}") from exc
+
+    def is_alive(self) -> bool:
+        return self.runner is not None
 
     def shutdown(self) -> None:
         self.runner = None  # type: ignore[assignment]

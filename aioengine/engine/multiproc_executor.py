@@ -21,6 +21,7 @@ import sys
 import time
 
 from aioengine.config import EngineConfig
+from aioengine.engine.executor import WorkerDiedError
 from aioengine.ipc.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -57,10 +58,6 @@ def _main_module_hidden():
         if saved_file is not None:
             main.__file__ = saved_file
         main.__spec__ = saved_spec
-
-
-class WorkerDiedError(RuntimeError):
-    """The worker process exited or failed a step."""
 
 
 class MultiprocExecutor:
