@@ -72,8 +72,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     block_size = key_cache.shape[1]
     slots = slot_mapping.long()
-    keep = (slots >= 0).nonzero().squeeze(1)
-    if keep.numel() != slots.numel():
+    padding = slots < 0
+    if padding.any():  # cheaper than nonzero() on every call; padding is rare
+        keep = (~padding).nonzero().squeeze(1)
         slots, key, value = slots[keep], key[keep], value[keep]
     block_ids = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - block_ids * block_size

@@ -113,7 +113,14 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) computed in fp32 as HF does. ``x``: ``[num_tokens, hidden]``."""
+    """RMSNorm (Zhang & Sennrich 2019) computed in fp32 as HF does. ``x``: ``[num_tokens, hidden]``.
+
+    In fp32 this is torch's fused ``rms_norm`` (bit-identical to HF's
+    three-op form); other dtypes normalise in fp32 and cast back before the
+    weight, exactly as HF's ``LlamaRMSNorm``.
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -212,6 +219,7 @@ class LlamaForCausalLM:
         """
         arch = self.arch
         num_tokens = input_ids.shape[0]
+        num_qk_heads = arch.num_heads + arch.num_kv_heads
         cos = self.rotary.cos[positions].unsqueeze(1)
         sin = self.rotary.sin[positions].unsqueeze(1)
         hidden = F.embedding(input_ids, self.embed_tokens)
@@ -219,10 +227,12 @@ class LlamaForCausalLM:
             residual = hidden
             x = rms_norm(hidden, layer["input_layernorm"], arch.rms_norm_eps)
             qkv = F.linear(x, layer["qkv_proj"], layer["qkv_bias"])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rotary.apply(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
-            k = self.rotary.apply(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
-            v = v.reshape(num_tokens, arch.num_kv_heads, arch.head_dim)
+            # Q and K heads sit side by side in the fused output: rotate them in one go.
+            qk = qkv[:, :self.q_size + self.kv_size].reshape(num_tokens, num_qk_heads, arch.head_dim)
+            qk = self.rotary.apply(qk, cos, sin)
+            q, k = qk[:, :arch.num_heads], qk[:, arch.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, arch.num_kv_heads,
+                                                            arch.head_dim)
             key_cache, value_cache = kv_cache[i, 0], kv_cache[i, 1]
             triton_kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
             o = triton_kernels.paged_attention(
