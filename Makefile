@@ -11,7 +11,18 @@ ARGS ?=
 
 .PHONY: setup serve test lint bench clean
 
+# Debian's Chromium for the browser tests (Playwright drives it; it never downloads
+# a browser). Checked on every run, installed only when absent; a failed install is
+# fatal only under CI, where those tests must not skip.
 setup: $(STAMP)
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium (apt-get) for the browser tests"; \
+		SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+		{ $$SUDO apt-get update -qq && \
+		  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
+		{ echo "warning: could not install chromium; the browser tests will skip"; \
+		  [ "$${CI:-}" != "true" ]; }; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
