@@ -4,8 +4,14 @@ caching, continuous batching, OpenAI API over SSE and WebSocket)."""
 from aioengine.config import EngineConfig
 from aioengine.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"
 
 

@@ -51,7 +51,8 @@ class Request:
         cache_salt: extra key that keeps this tenant's blocks private.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams,
                  max_tokens: int, eos_token_id: int | None, priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id

@@ -78,7 +78,7 @@ def test_fully_cached_prompt_recomputes_last_token():
     kv.allocate_slots(r1, 8)
     r2 = make_request("b", tokens)
     hits, n = kv.get_computed_blocks(r2)
-    assert n == 4, "the last block is left to compute so its logits exist"
+    assert n == 4 and len(hits) == 1, "the last block is left to compute so its logits exist"
 
 
 def test_cache_salt_isolates_tenants():
@@ -97,6 +97,7 @@ def test_failed_allocation_changes_nothing():
     kv.free(r1)  # two cached blocks now sit free
     r2 = make_request("b", list(range(8)) + list(range(100, 120)))
     hits, _ = kv.get_computed_blocks(r2)
+    assert len(hits) == 2
     before = ([b.ref_cnt for b in kv.block_pool.blocks], kv.block_pool.num_free_blocks,
               kv.block_pool.free_block_queue.block_ids(),
               dict(kv.block_pool.cached_block_hash_to_block))

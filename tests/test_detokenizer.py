@@ -28,7 +28,7 @@ def stream(tok, text: str, stop: list[str], include: bool = False):
 
 def test_multibyte_text_never_splits_a_character(tok):
     text = "日本語のテキスト 🙂🎉 emoji and 中文字符 done"
-    d, deltas = stream(tok, text, [])
+    _, deltas = stream(tok, text, [])
     assert "".join(deltas) == text
     assert all("\ufffd" not in x for x in deltas)
     assert len([x for x in deltas if x]) > 5
@@ -46,12 +46,12 @@ def test_stop_string_spanning_tokens_never_leaks(tok):
 
 def test_held_back_text_is_released_without_a_match(tok):
     text = "Stopping is not STOP_HER"
-    d, deltas = stream(tok, text, ["STOP_HERE"])
+    _, deltas = stream(tok, text, ["STOP_HERE"])
     assert "".join(deltas) == text
     # Something was held back at some point, then released.
     assert any(x == "" for x in deltas[:-1])
 
 
 def test_include_stop_str_in_output(tok):
-    d, deltas = stream(tok, "one two three four", [" three"], include=True)
+    _, deltas = stream(tok, "one two three four", [" three"], include=True)
     assert "".join(deltas) == "one two three"

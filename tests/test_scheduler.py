@@ -8,6 +8,7 @@ later token, exactly as a real model would.
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import pytest
 
@@ -99,7 +100,7 @@ def test_long_prefill_never_stalls_running_streams():
     # ...and every running stream got its next token at every step meanwhile.
     for s in streams:
         seen = [i for i, step in enumerate(h.steps) if s.request_id in step and i >= start]
-        gaps = [b - a for a, b in zip(seen, seen[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(seen)]
         assert max(gaps) <= 2
     assert any(len(step) > 1 and "long" in step for step in h.steps)
 

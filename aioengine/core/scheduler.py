@@ -21,7 +21,6 @@ from aioengine.ipc.messages import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
-    SamplingMetadata,
     SchedulerOutput,
 )
 from aioengine.request import Request, RequestStatus

@@ -131,7 +131,8 @@ class EngineCore:
                 f"than the whole cache holds ({self.kv_cache_manager.num_blocks} blocks of "
                 f"{self.block_size} tokens)", "max_tokens")
         if any(t >= len(self.tokenizer) for t in params.logit_bias):
-            raise SamplingParamError("logit_bias", "logit_bias names a token id outside the vocabulary")
+            raise SamplingParamError("logit_bias",
+                                     "logit_bias names a token id outside the vocabulary")
         return max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -193,7 +194,8 @@ class EngineCore:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, seed=request.seed,
             logprobs=-1 if p.logprobs is None else p.logprobs, min_tokens=p.min_tokens,
-            stop_token_ids=stop_ids, logit_bias=[(int(t), float(b)) for t, b in p.logit_bias.items()])
+            stop_token_ids=stop_ids,
+            logit_bias=[(int(t), float(b)) for t, b in p.logit_bias.items()])
 
     # -- steps ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

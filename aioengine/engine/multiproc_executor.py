@@ -117,7 +117,8 @@ class MultiprocExecutor:
             self.ring_in.put(encode(so))
             return self._receive(self.ring_out.get())
         except (EOFError, BrokenPipeError) as exc:
-            raise WorkerDiedError(f"worker process died (exit code {self.process.exitcode})") from exc
+            raise WorkerDiedError(
+                f"worker process died (exit code {self.process.exitcode})") from exc
 
     async def execute_model_async(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step without blocking the event loop."""
@@ -126,7 +127,8 @@ class MultiprocExecutor:
             return self._receive(await self.ring_out.get_async())
         except (EOFError, BrokenPipeError) as exc:
             await asyncio.sleep(0)
-            raise WorkerDiedError(f"worker process died (exit code {self.process.exitcode})") from exc
+            raise WorkerDiedError(
+                f"worker process died (exit code {self.process.exitcode})") from exc
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the worker (politely, then SIGKILL) and unlink both segments. Idempotent."""

@@ -228,7 +228,8 @@ class LlamaForCausalLM:
             x = rms_norm(hidden, layer["input_layernorm"], arch.rms_norm_eps)
             qkv = F.linear(x, layer["qkv_proj"], layer["qkv_bias"])
             # Q and K heads sit side by side in the fused output: rotate them in one go.
-            qk = qkv[:, :self.q_size + self.kv_size].reshape(num_tokens, num_qk_heads, arch.head_dim)
+            qk = qkv[:, :self.q_size + self.kv_size].reshape(num_tokens, num_qk_heads,
+                                                             arch.head_dim)
             qk = self.rotary.apply(qk, cos, sin)
             q, k = qk[:, :arch.num_heads], qk[:, arch.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, arch.num_kv_heads,
