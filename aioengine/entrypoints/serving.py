@@ -1,0 +1,242 @@
+"""The API's view of the engine, shared by the HTTP routes and the WebSocket.
+
+``OpenAIServing`` turns validated requests into prompt token ids and
+``SamplingParams``, starts engine requests (mapping engine exceptions to
+OpenAI-shaped ``APIError``s) and formats logprobs. ``RequestGroup`` runs the
+one or more engine requests behind an API request (several prompts in one
+``/v1/completions`` call) as a single stream, and aborts all of them when the
+consumer goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from aioengine.core.scheduler import SchedulerQueueFull
+from aioengine.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from aioengine.engine.core import RequestRejected
+from aioengine.entrypoints.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatLogprobEntry,
+    CompletionLogprobs,
+    CompletionRequest,
+    SamplingRequest,
+    TopLogprob,
+    model_not_found,
+)
+from aioengine.sampling_params import RequestOutput, SamplingParamError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Seconds a client should wait before retrying a 429 (waiting queue full).
+QUEUE_FULL_RETRY_AFTER_S = 1.0
+
+
+class OpenAIServing:
+    """Request preparation and engine access for the API layer.
+
+    Args:
+        engine: a started ``AsyncEngine``.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.model_name = engine.served_model_name
+        self.max_model_len = engine.max_model_len
+        self._token_str_cache: dict[int, str] = {}
+
+    # -- checks ---------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        """Raises ``APIError`` 404 unless ``model`` is absent or the served name."""
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Raises ``APIError`` 400 for ids outside the vocabulary."""
+        vocab = len(self.engine.tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                           param, "invalid_value")
+
+    # -- prompts --------------------------------------------------------------------------
+    async def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        """Prompt token ids of a conversation under the model's chat template.
+
+        Raises:
+            APIError: 400 when the template rejects the messages.
+        """
+        messages = [m.to_template_dict() for m in request.messages]
+        add_generation_prompt = request.add_generation_prompt is not False
+        try:
+            return await self.engine.apply_chat_template(messages, add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages", "invalid_value") from None
+
+    async def completion_prompts(self, request: CompletionRequest
+                                 ) -> list[tuple[list[int], str | None]]:
+        """``(token_ids, text or None)`` per prompt of a completion request.
+
+        Raises:
+            APIError: 400 for an empty prompt list or out-of-vocabulary ids.
+        """
+        prompts = []
+        for prompt in request.prompts():
+            if isinstance(prompt, str):
+                prompts.append((await self.engine.tokenize(prompt), prompt))
+            else:
+                self.check_token_ids(prompt, "prompt")
+                prompts.append((list(prompt), None))
+        return prompts
+
+    def default_max_tokens(self, prompt_len: int) -> int | None:
+        """What a request that gives no ``max_tokens`` may generate: the rest of the
+        context, bounded by what the whole KV cache holds (tokens). ``None`` when
+        nothing is left, so the engine's own check rejects the prompt."""
+        stats = self.engine.stats()
+        cache_tokens = stats.num_kv_blocks_total * self.engine.config.cache.block_size
+        room = min(self.max_model_len, cache_tokens) - prompt_len
+        return room if room > 0 else None
+
+    def sampling_params(self, request: SamplingRequest, prompt_len: int) -> SamplingParams:
+        return request.to_sampling_params(self.default_max_tokens(prompt_len))
+
+    # -- engine requests -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    request: SamplingRequest) -> RequestStream:
+        """Start an engine request.
+
+        Raises:
+            APIError: 400 (can never run), 429 (waiting queue full, with
+                ``retry_after``), 503 (engine down).
+        """
+        try:
+            return self.engine.add_request(request_id, prompt_token_ids, params,
+                                           priority=request.priority or 0,
+                                           cache_salt=request.cache_salt)
+        except (RequestRejected, SamplingParamError) as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_value") from None
+        except SchedulerQueueFull as exc:
+            raise APIError(429, f"the server is busy ({exc}); retry later", None, "queue_full",
+                           retry_after=QUEUE_FULL_RETRY_AFTER_S) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, "engine_unavailable",
+                           retry_after=QUEUE_FULL_RETRY_AFTER_S) from None
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    # -- logprobs --------------------------------------------------------------------------
+    def token_str(self, token_id: int) -> str:
+        text = self._token_str_cache.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id])
+            if len(self._token_str_cache) < 65536:
+                self._token_str_cache[token_id] = text
+        return text
+
+    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]],
+                      num_top: int) -> list[ChatLogprobEntry]:
+        """Chat ``logprobs.content`` for generated tokens.
+
+        Args:
+            token_ids: the sampled tokens.
+            entries: per token, ``{token_id: logprob}`` of the sampled token and
+                the top alternatives (as in ``CompletionOutput.logprobs``).
+            num_top: ``top_logprobs`` asked for.
+        """
+        content = []
+        for token, entry in zip(token_ids, entries):
+            text = self.token_str(token)
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+            content.append(ChatLogprobEntry(
+                token=text, logprob=max(entry[token], -9999.0), bytes=list(text.encode()),
+                top_logprobs=[TopLogprob(token=(t := self.token_str(i)), logprob=max(lp, -9999.0),
+                                         bytes=list(t.encode())) for i, lp in top]))
+        return content
+
+    def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, float]],
+                            num_top: int, text_offset: int) -> CompletionLogprobs:
+        """Legacy completions ``logprobs`` for generated tokens; ``text_offset`` is
+        the character offset of the first token in the choice's text."""
+        out = CompletionLogprobs()
+        for token, entry in zip(token_ids, entries):
+            text = self.token_str(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(max(entry[token], -9999.0))
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+            out.top_logprobs.append({self.token_str(i): max(lp, -9999.0) for i, lp in top}
+                                    if num_top else None)
+            out.text_offset.append(text_offset)
+            text_offset += len(text)
+        return out
+
+
+class RequestGroup:
+    """The engine requests behind one API request, iterated as one stream.
+
+    Iterating yields ``(prompt_index, RequestOutput)`` in arrival order.
+    ``close()`` (also run when the iteration ends early, by ``break`` or
+    cancellation) aborts every request that has not finished, so their KV
+    blocks are freed at once.
+
+    Raises (while iterating):
+        EngineDeadError: the engine ended the requests abnormally.
+    """
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.streams: list[RequestStream] = []
+
+    def add(self, stream: RequestStream) -> None:
+        self.streams.append(stream)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.streams)
+
+    def close(self) -> None:
+        """Abort every unfinished request; safe to call more than once."""
+        for stream in self.streams:
+            if not stream.finished:
+                self.serving.abort(stream.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            if len(self.streams) == 1:
+                async for output in self.streams[0]:
+                    yield 0, output
+                return
+            async for item in self._merged():
+                yield item
+        finally:
+            self.close()
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+                queue.put_nowait((index, None))
+            except EngineDeadError as exc:  # hand it to the consumer
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
