@@ -11,6 +11,7 @@ gone, cancel) aborts the request and frees its blocks at once.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -87,6 +88,9 @@ class AsyncEngine:
     async def start(cls, config: EngineConfig) -> AsyncEngine:
         """Load the tokenizer and start the worker (in threads: the loop stays free)."""
         self = cls(config)
+        # Importing transformers from two threads at once can fail half-way
+        # (``cannot import name 'AutoConfig'``): import it once here first.
+        await asyncio.to_thread(importlib.import_module, "transformers")
         tokenizer_future = asyncio.to_thread(load_tokenizer, self.model_path)
         executor_future = asyncio.to_thread(make_executor, config)
         self.tokenizer, self.executor = await asyncio.gather(tokenizer_future, executor_future)
@@ -221,9 +225,9 @@ class AsyncEngine:
         except Exception as exc:  # jinja2 TemplateError and friends
             raise ValueError(f"chat template failed: {exc}") from exc
 
-    def stats(self) -> EngineStats:
+    def stats(self, include_block_map: bool = False) -> EngineStats:
         assert self.core is not None
-        return self.core.stats()
+        return self.core.stats(include_block_map)
 
     # -- the step loop ---------------------------------------------------------------
     async def _step_loop(self) -> None:

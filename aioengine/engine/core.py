@@ -264,7 +264,9 @@ class EngineCore:
                                          max(parent.num_cached_tokens, 0), error=message))
         return outputs
 
-    def stats(self) -> EngineStats:
+    def stats(self, include_block_map: bool = False) -> EngineStats:
+        """The one stats snapshot; ``include_block_map`` adds the per-block
+        state list (for the chat page's KV grid)."""
         s = self.scheduler.stats
         kv = self.kv_cache_manager
         pool = kv.block_pool
@@ -278,7 +280,8 @@ class EngineCore:
             num_tokens_last_step=s.num_scheduled_tokens_last_step,
             num_prompt_tokens=s.num_prompt_tokens, num_generation_tokens=s.num_generation_tokens,
             num_requests_finished=self._num_finished, last_step_time=self.last_step_time,
-            last_forward_time=self.last_forward_time)
+            last_forward_time=self.last_forward_time,
+            block_usage_map=self.block_usage_map() if include_block_map else [])
 
     def block_usage_map(self) -> list[int]:
         """Per block: 0 free, 1 free but holding a cached prefix, 2 in use."""

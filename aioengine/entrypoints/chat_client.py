@@ -229,7 +229,9 @@ class WSChatConnection:
         if self._current_id is None or self._cancel_sent or not self.connected:
             return
         self._cancel_sent = True
-        asyncio.ensure_future(self._send({"type": "cancel", "id": self._current_id}))
+        # Keep a reference: the loop holds tasks only weakly.
+        self._cancel_task = asyncio.ensure_future(
+            self._send({"type": "cancel", "id": self._current_id}))
 
 
 # -- the terminal side -----------------------------------------------------------------------------

@@ -443,9 +443,8 @@ async def health(request: Request) -> Response:
 async def engine_stats(request: Request) -> Response:
     """``EngineStats`` as JSON; ``?block_map=1`` fills ``block_usage_map``."""
     serving = _serving(request)
-    stats = serving.engine.stats()
-    if request.query_params.get("block_map") in ("1", "true"):
-        stats.block_usage_map = serving.engine.core.block_usage_map()
+    stats = serving.engine.stats(
+        include_block_map=request.query_params.get("block_map") in ("1", "true"))
     return JSONResponse(dataclasses.asdict(stats))
 
 

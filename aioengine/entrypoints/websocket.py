@@ -272,8 +272,7 @@ class WebSocketSession:
         engine = self.serving.engine
         try:
             while True:
-                stats = engine.stats()
-                stats.block_usage_map = engine.core.block_usage_map()
+                stats = engine.stats(include_block_map=True)
                 await self.send({"type": "stats", "time": time.time(),
                                  **dataclasses.asdict(stats)})
                 await asyncio.sleep(STATS_INTERVAL_S)
