@@ -9,12 +9,14 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.aioengine-installed
 ARGS ?=
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup browser serve test lint bench clean
+
+setup: $(STAMP)
 
 # Debian's Chromium for the browser tests (Playwright drives it; it never downloads
 # a browser). Checked on every run, installed only when absent; a failed install is
 # fatal only under CI, where those tests must not skip.
-setup: $(STAMP)
+browser:
 	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing chromium (apt-get) for the browser tests"; \
 		SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
@@ -35,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	$(VENV)/bin/aioengine serve $(ARGS)
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q $(ARGS)
 
 lint: setup
