@@ -1,0 +1,250 @@
+"""Inter-token latency of running streams while long prompts keep arriving,
+chunked prefill on against off, in one run (issue 4's scheduler benchmark).
+
+For each mode a server is started (or ``--url-on`` / ``--url-off`` is used):
+
+1. ``--num-streams`` (16) streaming completions start together (short
+   random-token prompts, ``--stream-output-len`` tokens each, greedy,
+   ``ignore_eos``, over SSE).
+2. Once every stream has its first token, a long prompt
+   (``--long-prompt-len`` random tokens, distinct, so the prefix cache
+   cannot help) arrives every ``--long-prompt-interval`` seconds until the
+   streams are done (or ``--time-limit``).
+3. The streams' inter-token latencies (ITL) are split into "before" (no long
+   prompt sent yet) and "during" (the gap ends after the first long prompt
+   was sent); p50/p90/p99/max of each are reported, with the long prompts'
+   own TTFT.
+
+Modes:
+
+- ``on``: ``--max-num-batched-tokens CHUNK_BUDGET`` (default 256): a long
+  prompt is cut into chunks that share steps with the 16 decodes.
+- ``off``: ``--no-enable-chunked-prefill --max-num-batched-tokens
+  NO_CHUNK_BUDGET`` (default 2048; it must hold a whole long prompt): the
+  whole prompt goes through in one step and the streams wait for it.
+
+Usage:
+    python bench/scheduler.py
+    python bench/scheduler.py --long-prompt-len 2048 --chunk-budget 512
+Writes bench/results/scheduler.json and scheduler_itl_chunked_prefill.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (
+    RESULTS_DIR,
+    BenchRequest,
+    BenchServer,
+    LoadTracker,
+    latency_summary,
+    synthetic_workload,
+    write_results,
+)
+from bench.serving import Endpoint, RequestResult, engine_stats, sse_request, stats_delta
+
+MODES = ("on", "off")
+
+
+def server_args(mode: str, args: argparse.Namespace) -> list[str]:
+    common = ["--dtype", args.dtype, "--num-threads", str(args.threads), "--log-level", "warning",
+              *args.server_arg]
+    if mode == "on":
+        return [*common, "--max-num-batched-tokens", str(args.chunk_budget)]
+    return [*common, "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens", str(args.no_chunk_budget)]
+
+
+async def run_mode(endpoint: Endpoint, args: argparse.Namespace, seed: int) -> dict:
+    """One measurement against one server."""
+    import httpx
+
+    vocab = args.vocab_size
+    streams = synthetic_workload(args.num_streams, (args.stream_prompt_len,) * 2,
+                                 (args.stream_output_len,) * 2, vocab, seed)
+    longs = synthetic_workload(args.max_long_prompts, (args.long_prompt_len,) * 2,
+                               (args.long_max_tokens,) * 2, vocab, seed + 1000)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.time_limit + 60),
+                                 limits=limits) as client:
+        await sse_request(client, endpoint, BenchRequest(streams[0].prompt_token_ids[:8], 2),
+                          False)
+        before = await engine_stats(client, endpoint)
+        t0 = time.perf_counter()
+        deadline = t0 + args.time_limit
+        results = [RequestResult(prompt_len=r.prompt_len) for r in streams]
+        stream_tasks = [asyncio.ensure_future(sse_request(client, endpoint, r, False, res))
+                        for r, res in zip(streams, results)]
+        while (not all(r.token_times for r in results) and time.perf_counter() < deadline
+               and not all(t.done() for t in stream_tasks)):
+            await asyncio.sleep(0.005)
+        long_tasks: list[asyncio.Task] = []
+        long_sent: list[float] = []
+        for req in longs:
+            if all(t.done() for t in stream_tasks) or time.perf_counter() >= deadline:
+                break
+            long_sent.append(time.perf_counter())
+            long_tasks.append(asyncio.ensure_future(sse_request(client, endpoint, req, False)))
+            await asyncio.wait(stream_tasks, timeout=args.long_prompt_interval,
+                                         return_when=asyncio.ALL_COMPLETED)
+        await asyncio.wait(stream_tasks + long_tasks,
+                           timeout=max(0.0, deadline - time.perf_counter()))
+        for task in stream_tasks + long_tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*stream_tasks, *long_tasks, return_exceptions=True)
+        after = await engine_stats(client, endpoint)
+
+    first_long = long_sent[0] if long_sent else float("inf")
+    itl_before, itl_during = [], []
+    for r in results:
+        for a, b in zip(r.token_times, r.token_times[1:]):
+            (itl_during if b > first_long else itl_before).append(b - a)
+    long_results = [t.result() for t in long_tasks if t.done() and not t.cancelled()]
+    ok_streams = [r for r in results if r.ok]
+    return {
+        "streams_completed": len(ok_streams), "num_streams": len(streams),
+        "stream_errors": [r.error for r in results if not r.ok][:5],
+        "long_prompts_sent": len(long_sent),
+        "long_prompts_completed": sum(r.ok for r in long_results),
+        "itl_before_long_prompts": latency_summary(itl_before),
+        "itl_during_long_prompts": latency_summary(itl_during),
+        "itl_max_during_ms": round(1000 * max(itl_during, default=float("nan")), 3),
+        "long_prompt_ttft": latency_summary(r.ttft_s for r in long_results if r.ok),
+        "duration_s": round(time.perf_counter() - t0, 3),
+        "engine_stats": stats_delta(before, after),
+        "itl_samples_ms": [[round(1000 * (b - t0), 2), round(1000 * (b - a), 3)]
+                           for r in results for a, b in zip(r.token_times, r.token_times[1:])],
+        "long_sent_ms": [round(1000 * (t - t0), 2) for t in long_sent],
+    }
+
+
+def plot(report: dict, path: Path) -> None:
+    """ITL CDF per mode (during long prompts) and ITL against time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    for mode, res in report["modes"].items():
+        label = f"chunked prefill {mode}"
+        during = sorted(itl for t, itl in res["itl_samples_ms"]
+                        if t > (res["long_sent_ms"] or [float("inf")])[0])
+        if during:
+            ax1.plot(during, [(i + 1) / len(during) for i in range(len(during))], label=label)
+        times = [t / 1000 for t, _ in res["itl_samples_ms"]]
+        ax2.scatter(times, [itl for _, itl in res["itl_samples_ms"]], s=3, label=label, alpha=0.6)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("inter-token latency, ms")
+    ax1.set_ylabel("fraction of gaps")
+    ax1.set_title(f"ITL of {report['args']['num_streams']} streams while long prompts arrive")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("time since the streams started, s")
+    ax2.set_ylabel("gap before this token, ms")
+    ax2.set_title("every inter-token gap")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    a, load = report["args"], report["load"]
+    fig.suptitle(f"aioengine {a['dtype']}; long prompts {a['long_prompt_len']} tokens every "
+                 f"{a['long_prompt_interval']} s; budget {a['chunk_budget']} (on) / "
+                 f"{a['no_chunk_budget']} (off); load avg {load['loadavg_1m_min']:.1f}-"
+                 f"{load['loadavg_1m_max']:.1f}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="on,off", help="chunked prefill on, off, or both")
+    p.add_argument("--url-on", default=None, help="existing server with chunked prefill on")
+    p.add_argument("--url-off", default=None, help="existing server with chunked prefill off")
+    p.add_argument("--api-key", default=None, help="for --url-on / --url-off")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra 'serve' flag for both servers (repeatable)")
+    p.add_argument("--num-streams", type=int, default=16)
+    p.add_argument("--stream-prompt-len", type=int, default=32)
+    p.add_argument("--stream-output-len", type=int, default=128)
+    p.add_argument("--long-prompt-len", type=int, default=1024)
+    p.add_argument("--long-max-tokens", type=int, default=1)
+    p.add_argument("--long-prompt-interval", type=float, default=3.0, help="seconds")
+    p.add_argument("--max-long-prompts", type=int, default=64)
+    p.add_argument("--chunk-budget", type=int, default=256,
+                   help="--max-num-batched-tokens with chunked prefill on")
+    p.add_argument("--no-chunk-budget", type=int, default=2048,
+                   help="--max-num-batched-tokens with chunked prefill off (>= long prompt)")
+    p.add_argument("--time-limit", type=float, default=300.0, help="seconds per mode")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot-dir", default=str(RESULTS_DIR))
+    args = p.parse_args(argv)
+    if args.no_chunk_budget < args.long_prompt_len + args.num_streams:
+        p.error("--no-chunk-budget must hold a whole long prompt plus one token per stream")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import uvloop
+
+    from aioengine.config import default_model_path
+    from aioengine.models.loader import load_tokenizer
+
+    args = parse_args(argv)
+    args.vocab_size = len(load_tokenizer(default_model_path()))
+    load = LoadTracker()
+    report: dict = {"benchmark": "scheduler", "args": {k: v for k, v in vars(args).items()
+                                                       if k != "api_key"}, "modes": {}}
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}")
+        load.sample()
+        url = args.url_on if mode == "on" else args.url_off
+        with contextlib.ExitStack() as stack:
+            if url:
+                endpoint = Endpoint(url.rstrip("/"), args.api_key)
+                report["modes"][mode] = {"url": url}
+            else:
+                log = Path(tempfile.mkdtemp(prefix="aioengine-bench-")) / f"server-{mode}.log"
+                flags = server_args(mode, args)
+                print(f"chunked prefill {mode}: serve {' '.join(flags)} (log {log})", flush=True)
+                server = stack.enter_context(BenchServer(flags, log))
+                endpoint = Endpoint(server.base_url)
+                report["modes"][mode] = {"server_args": flags}
+            report["modes"][mode].update(uvloop.run(run_mode(endpoint, args, args.seed)))
+        load.sample()
+        print_mode(mode, report["modes"][mode])
+    report["load"] = load.summary()
+    report["environment"] = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
+    path = write_results(args.output_json, "scheduler.json", report)
+    plot_dir = Path(args.plot_dir)
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    plot(report, plot_dir / "scheduler_itl_chunked_prefill.png")
+    print(f"load average (1 min): {report['load']['loadavg_1m_min']:.2f}-"
+          f"{report['load']['loadavg_1m_max']:.2f}\nwrote {path}")
+    return report
+
+
+def print_mode(mode: str, r: dict) -> None:
+    d, b, lt = r["itl_during_long_prompts"], r["itl_before_long_prompts"], r["long_prompt_ttft"]
+    print(f"chunked prefill {mode:>3}: streams {r['streams_completed']}/{r['num_streams']}, "
+          f"long prompts {r['long_prompts_completed']}/{r['long_prompts_sent']}; "
+          f"ITL during p50 {d['p50_ms']:.0f} ms, p99 {d['p99_ms']:.0f} ms, "
+          f"max {r['itl_max_during_ms']:.0f} ms (before: p50 {b['p50_ms']:.0f}, "
+          f"p99 {b['p99_ms']:.0f} ms); long prompt TTFT p50 {lt['p50_ms']:.0f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The benchmark scripts run on a tiny workload and write their JSON.
+
+Speed is never asserted: these pin down that bench/throughput.py,
+bench/serving.py and bench/scheduler.py run end to end (engine and HF sides,
+SSE and WebSocket) and report the keys the README's table is built from.
+serving.py and scheduler.py reuse the session's test server (``--url``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # bench/ is not an installed package
+
+from bench.baseline_hf import left_pad  # noqa: E402
+from bench.common import (  # noqa: E402
+    chat_workload,
+    latency_summary,
+    percentile,
+    synthetic_workload,
+)
+
+LATENCY_KEYS = {"count", "mean_ms", "p50_ms", "p90_ms", "p99_ms"}
+
+
+def run_script(name: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / name), *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    values = sorted([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 100) == 5.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    summary = latency_summary([0.001, 0.002, 0.003])
+    assert set(summary) == LATENCY_KEYS and summary["p50_ms"] == pytest.approx(2.0)
+
+
+def test_synthetic_workload_is_seeded_and_in_range() -> None:
+    a = synthetic_workload(20, (32, 64), (16, 24), 49152, seed=7)
+    b = synthetic_workload(20, (32, 64), (16, 24), 49152, seed=7)
+    assert [r.prompt_token_ids for r in a] == [r.prompt_token_ids for r in b]
+    assert all(32 <= r.prompt_len <= 64 and 16 <= r.output_len <= 24 for r in a)
+    assert all(100 <= t < 49152 for r in a for t in r.prompt_token_ids)
+
+
+def test_chat_workload_uses_the_chat_template() -> None:
+    from aioengine.config import default_model_path
+    from aioengine.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    requests = chat_workload(tokenizer, 3, (8, 8), pad_to_50_tokens=True)
+    text = tokenizer.decode(requests[0].prompt_token_ids)
+    assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
+    assert all(30 <= r.prompt_len <= 90 for r in requests)
+
+
+def test_left_pad_puts_padding_first() -> None:
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+# -- the scripts -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_throughput_script_writes_both_sides(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    run_script("throughput.py", "--num-prompts", "2", "--input-len-range", "8", "16",
+               "--output-len-range", "2", "3", "--hf-batch-size", "2", "--batch1-tokens", "3",
+               "--overhead-requests", "2", "--overhead-prompt-len", "8",
+               "--overhead-output-len", "3", "--ring-round-trips", "50",
+               "--output-json", str(out), "--no-progress")
+    report = json.loads(out.read_text())
+    for side in ("engine", "hf"):
+        assert {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                "elapsed_s"} <= set(report[side])
+    assert set(report["ratio_vs_hf"]) == {"requests_per_s", "output_tokens_per_s",
+                                          "total_tokens_per_s"}
+    assert report["workload"]["num_requests"] == 2
+    b1 = report["batch1_decode"]
+    assert "decode_tokens_per_s" in b1["engine"] and "decode_tokens_per_s" in b1["hf"]
+    assert "ratio_vs_hf" in b1
+    for mode in ("sync", "async"):
+        overhead = report["overhead"][mode]
+        assert overhead["num_running"] == 2 and overhead["num_steps"] >= 1
+        assert {"median_overhead_pct", "median_step_ms", "median_forward_sample_ms"} <= set(
+            overhead)
+    assert report["ring_round_trip"]["shm_ring"]["median_us"] > 0
+    assert report["load"]["samples"]
+
+
+@pytest.mark.slow
+def test_serving_script_against_the_test_server(server, tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    run_script("serving.py", "--url", server.base_url, "--api-key", server.api_key,
+               "--scenarios", "chat8,sweep,rate", "--chat-concurrency", "2",
+               "--chat-requests", "2", "--chat-max-tokens", "3", "--concurrencies", "1,2",
+               "--sweep-min-requests", "2", "--sweep-requests-per-stream", "1",
+               "--sweep-input-len", "8", "--sweep-output-len", "3", "--num-requests", "2",
+               "--input-len-range", "8", "12", "--output-len-range", "2", "3",
+               "--request-rate", "20", "--time-limit", "300", "--output-json", str(out),
+               "--plot-dir", str(tmp_path), "--no-progress")
+    report = json.loads(out.read_text())
+    results = report["results"]
+    for protocol in ("sse", "ws"):
+        runs = [results["chat8"][protocol], results["rate"][protocol],
+                *results["sweep"][protocol]]
+        for run in runs:
+            assert run["completed"] == run["num_requests"], run["errors"]
+            for metric in ("ttft", "tpot", "itl", "e2e"):
+                assert set(run[metric]) == LATENCY_KEYS
+            assert run["request_throughput"] > 0 and run["output_throughput"] > 0
+        assert [r["concurrency"] for r in results["sweep"][protocol]] == [1, 2]
+    assert "api_key" not in report["args"]
+    assert (tmp_path / "serving_throughput_vs_concurrency.png").stat().st_size > 0
+    assert (tmp_path / "serving_latency_distributions.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_scheduler_script_against_the_test_server(server, tmp_path: Path) -> None:
+    out = tmp_path / "scheduler.json"
+    run_script("scheduler.py", "--modes", "on", "--url-on", server.base_url,
+               "--api-key", server.api_key, "--num-streams", "2", "--stream-prompt-len", "8",
+               "--stream-output-len", "4", "--long-prompt-len", "48",
+               "--long-prompt-interval", "0.2", "--max-long-prompts", "2",
+               "--time-limit", "300", "--output-json", str(out), "--plot-dir", str(tmp_path))
+    report = json.loads(out.read_text())
+    mode = report["modes"]["on"]
+    assert mode["streams_completed"] == 2, mode["stream_errors"]
+    assert set(mode["itl_during_long_prompts"]) == LATENCY_KEYS
+    assert set(mode["itl_before_long_prompts"]) == LATENCY_KEYS
+    assert mode["long_prompts_sent"] >= 1
+    assert (tmp_path / "scheduler_itl_chunked_prefill.png").stat().st_size > 0
