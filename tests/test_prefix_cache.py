@@ -148,11 +148,6 @@ def run_fake_step(scheduler: Scheduler, slots: dict[tuple[int, int], int]) -> No
     scheduler.update_from_output(so, ModelRunnerOutput(so.step_id, sampled, None, 0.0, 0.0))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "scheduler.py: a waiting request's priority preemption may pick a running "
-    "request whose just-registered blocks requests admitted earlier in the same "
-    "step have hit; preempt_worst must skip victims with "
-    "kv.num_unwritten_shared_blocks(victim) > 0"))
 def test_priority_preemption_never_strands_a_same_step_prefix_hit():
     """r4 (low priority) computes the rest of its prompt this step and
     registers the block it fills; r0 (high priority, same prompt) is admitted

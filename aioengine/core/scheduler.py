@@ -125,14 +125,24 @@ class Scheduler:
         new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
 
-        def preempt_worst(than: Request | None = None) -> Request | None:
-            """Preempt the lowest-priority, latest-arrived running request; with
-            ``than``, only one of strictly lower priority than it."""
-            nonlocal budget
-            if not self.running:
+        def pick_victim(than: Request | None = None) -> Request | None:
+            """The lowest-priority, latest-arrived running request; with ``than``,
+            only one of strictly lower priority than it. A request whose blocks
+            other requests hit earlier in this step is never picked: they read
+            the K/V it is about to write."""
+            candidates = [r for r in self.running
+                          if not self.kv.num_unwritten_shared_blocks(r)]
+            if not candidates:
                 return None
-            victim = max(self.running, key=Request.sort_key)
+            victim = max(candidates, key=Request.sort_key)
             if than is not None and victim.priority <= than.priority:
+                return None
+            return victim
+
+        def preempt_worst(than: Request | None = None) -> Request | None:
+            nonlocal budget
+            victim = pick_victim(than)
+            if victim is None:
                 return None
             self._preempt(victim)
             if victim in scheduled_running:
@@ -151,15 +161,20 @@ class Scheduler:
                 continue
             new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
-                victim_index = self.running.index(max(self.running, key=Request.sort_key))
-                victim = preempt_worst()
+                victim = pick_victim()
+                if victim is None:
+                    break
+                victim_index = self.running.index(victim)
+                preempt_worst()
                 if victim is request:
                     break
                 if victim_index < i:
                     i -= 1
                 new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is None:
-                continue  # this request was itself preempted; the list shifted
+                if request in self.running:
+                    i += 1  # nothing could be preempted for it; it waits a step
+                continue  # else it was itself preempted and the list shifted
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
