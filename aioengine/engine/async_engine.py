@@ -15,10 +15,12 @@ import importlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from aioengine.config import EngineConfig
 from aioengine.engine.core import EngineCore, EngineStats
 from aioengine.engine.executor import WorkerDiedError, make_executor
+from aioengine.ipc.messages import SchedulerOutput
 from aioengine.models.loader import load_tokenizer, model_display_name
 from aioengine.sampling_params import RequestOutput, SamplingParams
 
@@ -26,7 +28,32 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The worker died or is restarting; in-flight requests were ended (HTTP 503)."""
+    """The worker died or is restarting, or the server is shutting down; in-flight
+    requests were ended (HTTP 503)."""
+
+
+class LatencyObserver(Protocol):
+    """Receives per-request latencies (seconds) as the step loop sees them
+    (``metrics.EngineMetrics`` turns them into Prometheus histograms)."""
+
+    def observe_queue_time(self, seconds: float) -> None:
+        """Arrival to first scheduled."""
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Arrival to first generated token."""
+
+    def observe_itl(self, seconds: float) -> None:
+        """Between two consecutive steps that gave this request tokens."""
+
+    def observe_e2e(self, seconds: float) -> None:
+        """Arrival to finished (normally; not aborted or failed)."""
+
+
+# EngineStats counters that must not go back to zero when a restarted worker
+# brings a fresh EngineCore (Prometheus counters only ever increase).
+_CUMULATIVE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps",
+                     "num_multi_request_steps", "num_prompt_tokens", "num_generation_tokens",
+                     "num_requests_finished")
 
 
 class RequestStream:
@@ -41,6 +68,11 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
+        # time.monotonic() seconds, for the latency histograms.
+        self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     def put(self, output: RequestOutput) -> None:
         self._queue.put_nowait(output)
@@ -83,6 +115,10 @@ class AsyncEngine:
         self._restart_task: asyncio.Task | None = None
         self._stopping = False
         self._watched_sentinel: int | None = None
+        self.draining = False
+        self.latency_observer: LatencyObserver | None = None
+        self._retired_stats = dict.fromkeys(_CUMULATIVE_STATS, 0)
+        self._retired_max_reqs_in_step = 0
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -99,6 +135,12 @@ class AsyncEngine:
 
     def _begin_serving(self) -> None:
         """Fresh EngineCore (block manager) for the current executor; start stepping."""
+        if self.core is not None:  # a restart: keep the old core's counters
+            old = self.core.stats()
+            for name in _CUMULATIVE_STATS:
+                self._retired_stats[name] += getattr(old, name)
+            self._retired_max_reqs_in_step = max(self._retired_max_reqs_in_step,
+                                                 old.max_reqs_in_step)
         self.core = EngineCore(self.config, self.tokenizer, self.executor.num_blocks,
                                self.executor.max_model_len)
         self._watch_worker()
@@ -173,8 +215,10 @@ class AsyncEngine:
             RequestRejected, SamplingParamError: can never run (400).
             SchedulerQueueFull: too many waiting (429).
         """
+        if self.draining:
+            raise EngineDeadError("the server is shutting down")
         if not self.healthy or self.core is None:
-            raise EngineDeadError("the engine is not ready")
+            raise EngineDeadError("the engine is not ready (the model worker is restarting)")
         self.core.add_request(request_id, prompt_token_ids, params, priority, cache_salt)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
@@ -225,9 +269,36 @@ class AsyncEngine:
         except Exception as exc:  # jinja2 TemplateError and friends
             raise ValueError(f"chat template failed: {exc}") from exc
 
-    def stats(self, include_block_map: bool = False) -> EngineStats:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False while requests hold blocks."""
         assert self.core is not None
-        return self.core.stats(include_block_map)
+        return self.core.reset_prefix_cache()
+
+    def stats(self, include_block_map: bool = False) -> EngineStats:
+        """The engine's ``EngineStats``; counters are cumulative over worker restarts."""
+        assert self.core is not None
+        stats = self.core.stats(include_block_map)
+        for name in _CUMULATIVE_STATS:
+            setattr(stats, name, getattr(stats, name) + self._retired_stats[name])
+        stats.max_reqs_in_step = max(stats.max_reqs_in_step, self._retired_max_reqs_in_step)
+        return stats
+
+    # -- draining (graceful shutdown) -------------------------------------------------
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (``EngineDeadError``, HTTP 503); the
+        ones in flight keep running."""
+        self.draining = True
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished, aborted or failed."""
+        return len(self._streams)
+
+    def abort_all(self, message: str) -> None:
+        """End every in-flight request now with ``message`` (its stream raises
+        ``EngineDeadError``) and free their blocks."""
+        if self.core is not None:
+            self._fail_all(message)
 
     # -- the step loop ---------------------------------------------------------------
     async def _step_loop(self) -> None:
@@ -244,6 +315,8 @@ class AsyncEngine:
                 # Nothing fits right now (should not happen with a valid cache size).
                 await asyncio.sleep(0)
                 continue
+            if so.scheduled_new_reqs:
+                self._record_scheduled(so)
             try:
                 ro = await self.executor.execute_model_async(so)
             except WorkerDiedError as exc:
@@ -254,15 +327,44 @@ class AsyncEngine:
                 logger.error("model step failed: %s", exc)
                 self._fail_all(f"engine error: {exc}")
                 continue
+            now = time.monotonic()
             for output in core.process_output(so, ro):
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
+                    self._record_output(stream, output, now)
                     stream.put(output)
                     if output.finished:
                         del self._streams[output.request_id]
             core.last_step_time = time.perf_counter() - t0
             # Let handlers run between steps even when the executor answered at once.
             await asyncio.sleep(0)
+
+    def _record_scheduled(self, so: SchedulerOutput) -> None:
+        """Queue time of requests scheduled for the first time in ``so``."""
+        now = time.monotonic()
+        for new_req in so.scheduled_new_reqs:
+            # A child of an n > 1 request is "{parent}#{i}".
+            stream = (self._streams.get(new_req.req_id)
+                      or self._streams.get(new_req.req_id.rpartition("#")[0]))
+            if stream is not None and stream.scheduled_time is None:
+                stream.scheduled_time = now
+                if self.latency_observer is not None:
+                    self.latency_observer.observe_queue_time(now - stream.arrival_time)
+
+    def _record_output(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
+        """TTFT, inter-token latency and end-to-end latency of one step's output."""
+        observer = self.latency_observer
+        if observer is None:
+            return
+        if any(c.delta_token_ids for c in output.outputs):
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+                observer.observe_ttft(now - stream.arrival_time)
+            else:
+                observer.observe_itl(now - stream.last_token_time)
+            stream.last_token_time = now
+        if output.finished and output.error is None:
+            observer.observe_e2e(now - stream.arrival_time)
 
     def _fail_all(self, message: str) -> None:
         assert self.core is not None

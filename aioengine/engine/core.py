@@ -181,6 +181,11 @@ class EngineCore:
             self._child_to_parent.pop(child_id, None)
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Returns False (changing nothing) while
+        any request holds blocks, as vLLM does."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

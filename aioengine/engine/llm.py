@@ -92,6 +92,10 @@ class LLM:
         bar.close()
         return final
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (the next requests run cold)."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self):
         return self.engine.stats()
 
