@@ -378,13 +378,14 @@ class AsyncEngine:
         self._stopping = True
         self.healthy = False
         self._unwatch_worker()
-        for task in (self._step_task, self._restart_task):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
+        if self._step_task is not None:
+            self._step_task.cancel()
+            await asyncio.gather(self._step_task, return_exceptions=True)
+        if self._restart_task is not None:
+            # Not cancelled: the thread starting a new worker would run on and
+            # leave that worker and its rings behind. The task stops at the
+            # next check of _stopping; the executor it made is shut down below.
+            await asyncio.gather(self._restart_task, return_exceptions=True)
         if self.core is not None:
             self._fail_all("the server is shutting down")
         if self.executor is not None:

@@ -103,6 +103,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="concurrent requests per WebSocket connection")
     g.add_argument("--web-dir", default=None,
                    help="folder with the chat page served at / (default: the repo's web/)")
+    g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
+                   help="browser origins allowed cross-origin (CORS and WebSocket), comma-"
+                        "separated or repeated, e.g. https://chat.example.com; '*' allows "
+                        "any (default: none, CORS off)")
+    g.add_argument("--drain-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long requests in flight may finish before "
+                        "they are aborted (default: %(default)s)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
@@ -121,16 +128,21 @@ def run_serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
+    from aioengine.entrypoints.lifecycle import FLUSH_TIMEOUT_S, GracefulServer
     from aioengine.entrypoints.server import build_app
 
+    if args.drain_timeout < 0:
+        sys.exit("aioengine: error: --drain-timeout must be >= 0")
+    origins = [o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()]
     app = build_app(config, api_key=args.api_key,
                     max_body_bytes=int(args.max_body_mib * (1 << 20)),
-                    max_ws_requests=args.max_ws_requests, web_dir=args.web_dir)
+                    max_ws_requests=args.max_ws_requests, web_dir=args.web_dir,
+                    allowed_origins=origins)
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, loop="uvloop", http="httptools", lifespan="on",
         log_level=args.log_level, ws_max_size=int(args.max_body_mib * (1 << 20)),
-        timeout_graceful_shutdown=5)
-    server = uvicorn.Server(uv_config)
+        timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+    server = GracefulServer(uv_config, app, drain_timeout=args.drain_timeout)
     t0 = time.perf_counter()
 
     async def serve() -> None:

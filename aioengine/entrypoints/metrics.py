@@ -1,24 +1,43 @@
-"""``GET /metrics``: the one ``EngineStats`` snapshot in Prometheus text format.
+"""``GET /metrics``: the engine in Prometheus text format.
 
-Metric names follow vLLM's where one exists (``vllm:num_requests_running`` is
-``aioengine:num_requests_running`` here) so existing dashboards map over.
+Two sources, one registry per server:
+
+- the engine's one ``EngineStats`` snapshot, read at scrape time (gauges and
+  counters: requests running and waiting, KV cache usage, prefix-cache
+  queries and hits, preemptions, prompt and generation tokens, ...);
+- latency histograms fed by the engine's step loop through
+  ``AsyncEngine.latency_observer``: time to first token, inter-token
+  latency, end-to-end latency and queue time.
+
+Names follow vLLM's (``vllm:num_requests_running`` is
+``aioengine:num_requests_running`` here, with the same ``model_name`` label
+and the same histogram buckets) so existing dashboards map over. Counters get
+prometheus_client's ``_total`` suffix, as vLLM's do.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
+from collections.abc import Iterator
 
-from aioengine.engine.core import EngineStats
+from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
+
+from aioengine.engine.async_engine import AsyncEngine
 
 # (EngineStats field, metric name, help, is_counter)
-_METRICS = [
+_STATS_METRICS = [
     ("num_running", "num_requests_running", "Requests in the running batch.", False),
     ("num_waiting", "num_requests_waiting", "Requests waiting to be scheduled.", False),
     ("kv_cache_usage", "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", False),
     ("num_kv_blocks_used", "num_kv_blocks_used", "KV blocks held by requests.", False),
     ("num_kv_blocks_total", "num_kv_blocks_total", "KV blocks in the cache.", False),
-    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up.", True),
+    ("prefix_cache_queries", "prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache.", True),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", True),
     ("num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks.", True),
     ("num_steps", "num_steps", "Engine steps run.", True),
@@ -35,19 +54,85 @@ _METRICS = [
      False),
 ]
 
+# vLLM's buckets (vllm/v1/metrics/loggers.py), seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
 
 class _StatsCollector:
-    def __init__(self, stats: EngineStats) -> None:
-        self.stats = stats
+    """Reads ``engine.stats()`` at every scrape (never a stale copy)."""
 
-    def collect(self):
-        for field, name, help_text, is_counter in _METRICS:
-            family = CounterMetricFamily if is_counter else GaugeMetricFamily
-            yield family(f"aioengine:{name}", help_text, value=getattr(self.stats, field))
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        for field, name, help_text, is_counter in _STATS_METRICS:
+            family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
+                f"aioengine:{name}", help_text, labels=["model_name"])
+            family.add_metric([self.model_name], getattr(stats, field))
+            yield family
+        healthy = GaugeMetricFamily("aioengine:engine_healthy",
+                                    "1 while the engine serves requests, 0 while its worker "
+                                    "restarts or the server drains.", labels=["model_name"])
+        healthy.add_metric([self.model_name],
+                           float(self.engine.healthy and not self.engine.draining))
+        yield healthy
+        restarts = CounterMetricFamily("aioengine:worker_restarts",
+                                       "Times the model worker died and was restarted.",
+                                       labels=["model_name"])
+        restarts.add_metric([self.model_name], self.engine.num_worker_restarts)
+        yield restarts
 
 
-def render_metrics(stats: EngineStats) -> tuple[bytes, str]:
-    """``(body, content_type)`` of a scrape of ``stats``."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsCollector(stats))
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+class EngineMetrics:
+    """The Prometheus registry of one server; also the engine's ``LatencyObserver``.
+
+    Args:
+        engine: a started ``AsyncEngine``; this object installs itself as
+            its ``latency_observer``.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        model_name = engine.served_model_name
+        self.registry.register(_StatsCollector(engine, model_name))
+
+        def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"aioengine:{name}", help_text, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self._ttft = histogram("time_to_first_token_seconds",
+                               "Time from arrival to the first generated token.", TTFT_BUCKETS)
+        self._itl = histogram("inter_token_latency_seconds",
+                              "Time between two steps that gave a request tokens.", ITL_BUCKETS)
+        self._e2e = histogram("e2e_request_latency_seconds",
+                              "Time from arrival to finish of requests that finished normally.",
+                              REQUEST_LATENCY_BUCKETS)
+        self._queue = histogram("request_queue_time_seconds",
+                                "Time from arrival to first being scheduled.",
+                                REQUEST_LATENCY_BUCKETS)
+        engine.latency_observer = self
+
+    # -- LatencyObserver ---------------------------------------------------------------
+    def observe_queue_time(self, seconds: float) -> None:
+        self._queue.observe(seconds)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    # -- scrape ------------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content_type)`` of one scrape."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -9,7 +9,12 @@
   as JSON), ``GET /metrics`` (Prometheus), ``POST /tokenize``,
   ``POST /detokenize`` (vLLM shapes).
 - ``/v1/ws``: the WebSocket protocol (``websocket.py``, docs/websocket.md).
-- ``/``: the chat page from ``web/`` when the folder has an ``index.html``.
+- ``/``: the chat page from ``web/`` when the folder has an ``index.html``
+  (Starlette's ``StaticFiles``: nothing outside that folder is served).
+
+CORS is off (no ``Access-Control-Allow-*`` headers) unless ``allowed_origins``
+lists origins, and a WebSocket handshake from a browser page of another
+origin is refused with 403 unless that origin is listed.
 
 A client that disconnects aborts its request at once, streaming or not, so
 its KV blocks are freed. Errors are OpenAI-shaped JSON (``protocol.APIError``).
@@ -28,11 +33,13 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -167,6 +174,42 @@ class BodySizeLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class WebSocketOriginMiddleware:
+    """403 for a WebSocket handshake whose ``Origin`` is neither this server's
+    own (same scheme-less host and port as ``Host``) nor in ``allowed_origins``.
+
+    Browsers send ``Origin`` on every WebSocket handshake and, unlike
+    ``fetch``, apply no CORS check to WebSockets, so without this any web page
+    a user visits could drive the API through their browser. Clients that are
+    not browsers (``websockets``, the terminal chat) send no ``Origin`` and are
+    let through. ``"*"`` in ``allowed_origins`` allows every origin.
+    """
+
+    def __init__(self, app: ASGIApp, allowed_origins: list[str]) -> None:
+        self.app = app
+        self.allow_all = "*" in allowed_origins
+        self.allowed = {o.rstrip("/").lower() for o in allowed_origins}
+
+    def origin_allowed(self, origin: str, host: str) -> bool:
+        origin = origin.rstrip("/").lower()
+        if self.allow_all or origin in self.allowed:
+            return True
+        parts = urlsplit(origin)
+        return parts.scheme in ("http", "https") and bool(host) and parts.netloc == host.lower()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin")
+            if origin is not None and not self.origin_allowed(
+                    origin.decode("latin-1"), headers.get(b"host", b"").decode("latin-1")):
+                logger.warning("refused a WebSocket from origin %r", origin.decode("latin-1"))
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 1008})  # the server answers 403
+                return
+        await self.app(scope, receive, send)
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -433,9 +476,15 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """200 while the engine serves; 503 (with ``Retry-After``) while its worker
+    restarts, before it started, and once the server drains for shutdown."""
     serving: OpenAIServing | None = getattr(request.app.state, "serving", None)
     if serving is None or not serving.engine.healthy:
-        return error_response(APIError(503, "the engine is not healthy", None,
+        return error_response(APIError(503, "the engine is not healthy (its model worker is "
+                                       "starting or restarting)", None, "engine_unavailable",
+                                       retry_after=1.0))
+    if serving.engine.draining:
+        return error_response(APIError(503, "the server is shutting down", None,
                                        "engine_unavailable"))
     return Response(status_code=200)
 
@@ -479,9 +528,7 @@ async def detokenize(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    from aioengine.entrypoints.metrics import render_metrics
-
-    text, content_type = render_metrics(_serving(request).engine.stats())
+    text, content_type = request.app.state.metrics.render()
     return Response(text, media_type=content_type)
 
 
@@ -512,7 +559,8 @@ def _preimport_transformers() -> None:
 def build_app(config: EngineConfig, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               max_ws_requests: int = DEFAULT_MAX_WS_REQUESTS,
-              web_dir: str | Path | None = None) -> Starlette:
+              web_dir: str | Path | None = None,
+              allowed_origins: list[str] | None = None) -> Starlette:
     """The Starlette app; its lifespan starts and stops the engine (then
     ``app.state.serving`` is the ``OpenAIServing`` and ``app.state.load_time``
     the engine's load time in seconds).
@@ -526,8 +574,13 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
         max_ws_requests: concurrent requests per WebSocket connection.
         web_dir: folder served at ``/`` (default: the repository's ``web/``),
             only if it holds an ``index.html``.
+        allowed_origins: browser origins (``"https://chat.example.com"``, or
+            ``"*"``) allowed cross-origin: CORS headers for them, and their
+            WebSocket handshakes. None or empty: CORS off, WebSockets only
+            from this server's own pages or from non-browser clients.
     """
     from aioengine.engine.async_engine import AsyncEngine
+    from aioengine.entrypoints.metrics import EngineMetrics
     from aioengine.entrypoints.websocket import websocket_endpoint
 
     @asynccontextmanager
@@ -536,6 +589,7 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
         await asyncio.to_thread(_preimport_transformers)
         engine = await AsyncEngine.start(config)
         app.state.serving = OpenAIServing(engine)
+        app.state.metrics = EngineMetrics(engine)
         app.state.load_time = time.perf_counter() - t0
         try:
             yield
@@ -559,9 +613,19 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
         routes.append(Mount("/", app=_StaticWeb(StaticFiles(directory=web, html=True),
                                                 api_paths), name="web"))
 
-    middleware = [Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)]
+    # Outermost first: CORS must answer preflights (which carry no API key) and
+    # add its headers to 401s too.
+    origins = list(allowed_origins or [])
+    middleware = []
+    if origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins,
+                                     allow_methods=["GET", "POST"],
+                                     allow_headers=["Authorization", "Content-Type"],
+                                     max_age=600))
+    middleware.append(Middleware(WebSocketOriginMiddleware, allowed_origins=origins))
     if api_key:
-        middleware.insert(0, Middleware(APIKeyMiddleware, api_key=api_key))
+        middleware.append(Middleware(APIKeyMiddleware, api_key=api_key))
+    middleware.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes))
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan,
         exception_handlers={APIError: _api_error_handler, HTTPException: _http_exception_handler,

@@ -121,7 +121,8 @@ class WebSocketSession:
         """Act on one client message; problems become ``error`` messages."""
         try:
             message = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            # RecursionError: nesting deeper than the interpreter's recursion limit.
             await self.send_error(f"malformed JSON: {exc}", 400)
             return
         if not isinstance(message, dict):

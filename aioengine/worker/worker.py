@@ -44,9 +44,11 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handl
                 parent_pid: int) -> None:
     """Run until shutdown. Never raises: failures go back as ``WorkerError``."""
     _die_with_parent(parent_pid)
-    # Ctrl-C in a terminal reaches the whole process group; the engine decides
-    # when the worker stops.
+    # Ctrl-C in a terminal, or a service manager's SIGTERM, reaches the whole
+    # process group; the engine decides when the worker stops (it drains first)
+    # and PR_SET_PDEATHSIG ends the worker if the engine dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ring_in = ShmRing.attach(ring_in_handle)
     ring_out = ShmRing.attach(ring_out_handle)
     try:
