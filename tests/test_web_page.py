@@ -226,7 +226,8 @@ def test_html_in_prompt_and_answer_is_shown_as_text(server, chat: ChatPage):
     # The renderer itself, on markup plus the Markdown subset it supports.
     rendered = chat.page.evaluate("""(payload) => {
         const div = document.createElement('div');
-        window.aioChat.renderAnswer(div, payload + '\\n**x** `y`\\n```html\\n' + payload + '\\n```');
+        const md = '\\n**x** `y`\\n```html\\n' + payload + '\\n```';
+        window.aioChat.renderAnswer(div, payload + md);
         return {text: div.textContent, tags: [...div.querySelectorAll('*')].map(e => e.tagName)};
     }""", XSS)
     assert rendered["text"].count(XSS) == 2
