@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# Integers cross to the worker as 64-bit msgpack ints; a larger one would fail
+# to encode inside the step loop (stalling every request), so refuse it here.
+_INT64_LIMIT = 2**63
 
 
 class SamplingParamError(ValueError):
@@ -78,7 +81,8 @@ class SamplingParams:
             ("n", 1 <= self.n <= 128, "n must be in [1, 128]"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "top_k must be -1, 0 (disabled) or positive"),
+            ("top_k", 0 <= self.top_k < _INT64_LIMIT,
+             "top_k must be -1, 0 (disabled) or a positive 64-bit integer"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
              "presence_penalty must be in [-2, 2]"),
@@ -88,7 +92,8 @@ class SamplingParams:
              "repetition_penalty must be in (0, 10]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
              "max_tokens must be at least 1"),
-            ("min_tokens", self.min_tokens >= 0, "min_tokens must be >= 0"),
+            ("min_tokens", 0 <= self.min_tokens < _INT64_LIMIT,
+             "min_tokens must be >= 0 (and fit in 64 bits)"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "min_tokens must not exceed max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
@@ -96,12 +101,18 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None, "prompt_logprobs is not supported"),
             ("stop", all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
              "stop must be at most 16 non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids must be non-negative integers"),
+            ("stop_token_ids", all(isinstance(t, int) and 0 <= t < _INT64_LIMIT
+                                   for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative 64-bit integers"),
+            ("logit_bias", all(isinstance(t, int) and 0 <= t < _INT64_LIMIT
+                               for t in self.logit_bias),
+             "logit_bias keys must be non-negative token ids"),
             ("logit_bias", all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100]"),
-            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64,
-             "seed must fit in 64 bits"),
+            # Signed 64-bit, so sample i of n can use seed + i without overflowing
+            # the worker's 64-bit field.
+            ("seed", self.seed is None or -_INT64_LIMIT <= self.seed < _INT64_LIMIT,
+             "seed must be a signed 64-bit integer"),
         ]
         for param, ok, message in checks:
             if not ok:

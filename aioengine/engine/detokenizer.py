@@ -24,10 +24,12 @@ class IncrementalDetokenizer:
         stop: stop strings.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: leave special tokens out of the text.
+        min_tokens: stop strings are not looked for until this many tokens were
+            added (as vLLM's ``min_tokens``); a match must end after them.
     """
 
     def __init__(self, tokenizer, stop: list[str], include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop
@@ -35,17 +37,20 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in stop), default=0)
         self.text = ""
         self._emitted = 0
+        self._num_tokens = 0
+        self.min_tokens = min_tokens
         self.stop_reason: str | None = None
 
     def update(self, token_id: int) -> bool:
         """Add one token. Returns True when a stop string matched (then ``text``
         is cut at the match and nothing more may be added)."""
         piece = self._stream.step(self._tokenizer, token_id)
+        self._num_tokens += 1
         if not piece:
             return False
         start = max(0, len(self.text) - self._max_stop_len + 1)
         self.text += piece
-        if not self.stop:
+        if not self.stop or self._num_tokens <= self.min_tokens:
             return False
         best: tuple[int, str] | None = None
         for s in self.stop:

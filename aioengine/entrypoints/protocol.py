@@ -15,6 +15,7 @@ Every error leaves the server as ``{"error": {"message", "type", "param",
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, Literal, TypeVar
 
@@ -227,11 +228,11 @@ class SamplingRequest(_Request):
         logprobs, logprobs_field = self._logprobs()
         logit_bias: dict[int, float] = {}
         for key, bias in (self.logit_bias or {}).items():
-            try:
-                logit_bias[int(key)] = bias
-            except ValueError:
+            # Plain decimal only: int() would also take " 5", "1_0" and non-ASCII digits.
+            if not re.fullmatch(r"-?[0-9]{1,20}", key):
                 raise APIError(400, f"'logit_bias' keys must be token ids, got {key!r}",
-                               "logit_bias", "invalid_value") from None
+                               "logit_bias", "invalid_value")
+            logit_bias[int(key)] = bias
         if self.cache_salt is not None and not self.cache_salt:
             raise APIError(400, "'cache_salt' must not be empty", "cache_salt", "invalid_value")
         given = {
@@ -265,6 +266,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     # Accepted only when they ask for nothing this server cannot do.
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -345,6 +347,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     return_token_strs: bool | None = None
 
 

@@ -11,7 +11,10 @@ consumer goes away.
 from __future__ import annotations
 
 import asyncio
+import codecs
+import functools
 import logging
+import re
 from collections.abc import AsyncIterator
 
 from aioengine.core.scheduler import SchedulerQueueFull
@@ -47,6 +50,7 @@ class OpenAIServing:
         self.model_name = engine.served_model_name
         self.max_model_len = engine.max_model_len
         self._token_str_cache: dict[int, str] = {}
+        self._token_bytes_cache: dict[int, bytes] = {}
 
     # -- checks ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -70,11 +74,33 @@ class OpenAIServing:
             APIError: 400 when the template rejects the messages.
         """
         messages = [m.to_template_dict() for m in request.messages]
+        if request.continue_final_message:
+            if request.add_generation_prompt:
+                raise APIError(400, "'continue_final_message' and 'add_generation_prompt' "
+                               "cannot both be true", "continue_final_message", "invalid_value")
+            return await self._continuation_prompt(messages)
         add_generation_prompt = request.add_generation_prompt is not False
         try:
             return await self.engine.apply_chat_template(messages, add_generation_prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages", "invalid_value") from None
+
+    async def _continuation_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """vLLM's ``continue_final_message``: the template without the final
+        message's end-of-turn, so the model continues that message."""
+        tokenizer = self.engine.tokenizer
+
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=False,
+                                                 continue_final_message=True)
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            return await asyncio.to_thread(render)
+        except Exception as exc:  # jinja2 TemplateError, ValueError for an empty message
+            raise APIError(400, f"chat template failed: {exc}", "messages",
+                           "invalid_value") from None
 
     async def completion_prompts(self, request: CompletionRequest
                                  ) -> list[tuple[list[int], str | None]]:
@@ -138,6 +164,17 @@ class OpenAIServing:
                 self._token_str_cache[token_id] = text
         return text
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own UTF-8 bytes (OpenAI's ``bytes`` field): for a token that
+        holds part of a multi-byte character these are the raw bytes, which
+        joined with the neighbours' give the character, not U+FFFD's bytes."""
+        raw = self._token_bytes_cache.get(token_id)
+        if raw is None:
+            raw = _raw_token_bytes(self.engine.tokenizer, token_id)
+            if len(self._token_bytes_cache) < 65536:
+                self._token_bytes_cache[token_id] = raw
+        return list(raw)
+
     def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]],
                       num_top: int) -> list[ChatLogprobEntry]:
         """Chat ``logprobs.content`` for generated tokens.
@@ -153,9 +190,9 @@ class OpenAIServing:
             text = self.token_str(token)
             top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
             content.append(ChatLogprobEntry(
-                token=text, logprob=max(entry[token], -9999.0), bytes=list(text.encode()),
-                top_logprobs=[TopLogprob(token=(t := self.token_str(i)), logprob=max(lp, -9999.0),
-                                         bytes=list(t.encode())) for i, lp in top]))
+                token=text, logprob=max(entry[token], -9999.0), bytes=self.token_bytes(token),
+                top_logprobs=[TopLogprob(token=self.token_str(i), logprob=max(lp, -9999.0),
+                                         bytes=self.token_bytes(i)) for i, lp in top]))
         return content
 
     def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, float]],
@@ -163,16 +200,55 @@ class OpenAIServing:
         """Legacy completions ``logprobs`` for generated tokens; ``text_offset`` is
         the character offset of the first token in the choice's text."""
         out = CompletionLogprobs()
+        # Offsets count characters of the decoded text, so a token holding part of
+        # a multi-byte character does not advance them until the character is whole.
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for token, entry in zip(token_ids, entries):
-            text = self.token_str(token)
-            out.tokens.append(text)
+            out.tokens.append(self.completion_token_str(token))
             out.token_logprobs.append(max(entry[token], -9999.0))
             top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
-            out.top_logprobs.append({self.token_str(i): max(lp, -9999.0) for i, lp in top}
-                                    if num_top else None)
+            out.top_logprobs.append({self.completion_token_str(i): max(lp, -9999.0)
+                                     for i, lp in top} if num_top else None)
             out.text_offset.append(text_offset)
-            text_offset += len(text)
+            text_offset += len(decoder.decode(bytes(self.token_bytes(token))))
         return out
+
+    def completion_token_str(self, token_id: int) -> str:
+        """A token as the legacy completions API names it: its text, or for part
+        of a multi-byte character OpenAI's ``bytes:\\xe6\\x97`` form (as
+        U+FFFD, every such token would share one ``top_logprobs`` key)."""
+        text = self.token_str(token_id)
+        if "\ufffd" not in text:
+            return text
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id))
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable character -> byte table, inverted."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def _raw_token_bytes(tokenizer, token_id: int) -> bytes:
+    """Bytes of one token: byte-level BPE pieces (``ðŁ``) and SentencePiece byte
+    fallback pieces (``<0xF0>``) map to their raw bytes; other tokens are their
+    decoded text."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text.encode()
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if match := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        table = _byte_level_decoder()
+        if piece and all(char in table for char in piece):
+            return bytes(table[char] for char in piece)
+    return text.encode()
 
 
 class RequestGroup:
