@@ -33,7 +33,9 @@ from reliability_util import (
 )
 
 DRAIN_TIMEOUT_S = 10.0
-SERVER_ARGS = ("--max-num-seqs", "2", "--drain-timeout", str(DRAIN_TIMEOUT_S))
+MAX_WAITING = 3
+SERVER_ARGS = ("--max-num-seqs", "2", "--max-waiting-requests", str(MAX_WAITING),
+               "--drain-timeout", str(DRAIN_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +116,39 @@ def test_waiting_and_preemption_metrics_move(sserver):
     stats = sserver.wait_for_stats(lambda s: s["num_running"] == s["num_waiting"] == 0,
                                    timeout=5)
     assert stats["num_running"] == stats["num_waiting"] == stats["num_kv_blocks_used"] == 0
+
+
+def test_over_the_waiting_limit_429_at_once_and_the_others_finish(sserver):
+    """Backpressure (issue 4): two seats taken, the waiting queue full; the next
+    request is refused with 429 and Retry-After at once, and every request
+    already admitted still completes."""
+    async def go():
+        async with http_client(sserver) as client:
+            events = [asyncio.Event(), asyncio.Event()]
+            seated = [asyncio.ensure_future(sse_request(client, chat("Count to twenty.", 24),
+                                                        started=e)) for e in events]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+            queued = [asyncio.ensure_future(sse_request(client, chat("Say hi.", 4)))
+                      for _ in range(MAX_WAITING)]
+            deadline = time.monotonic() + 30
+            while (await client.get("/v1/engine/stats")).json()["num_waiting"] < MAX_WAITING:
+                assert time.monotonic() < deadline, "the queue never filled"
+                await asyncio.sleep(0.02)
+            t0 = time.monotonic()
+            refused = await client.post("/v1/chat/completions", json=chat("One more.", 4))
+            elapsed = time.monotonic() - t0
+            outcomes = await asyncio.gather(*seated, *queued)
+            return refused, elapsed, outcomes
+
+    refused, elapsed, outcomes = asyncio.run(go())
+    assert refused.status_code == 429, refused.text
+    assert refused.headers.get("retry-after")
+    assert refused.json()["error"]["message"]
+    assert elapsed < 2.0, "refused at once, not after queueing"
+    assert [o.kind for o in outcomes] == ["done"] * (2 + MAX_WAITING)
+    stats = sserver.wait_for_stats(lambda s: s["num_running"] == s["num_waiting"] == 0,
+                                   timeout=10)
+    assert stats["num_kv_blocks_used"] == 0
 
 
 def _check_drain(server: ServerInfo, sig: signal.Signals) -> None:
