@@ -245,13 +245,9 @@ def test_held_back_text_is_released_when_no_stop_matches(server):
 
 
 class StopAtLengthBug(AssertionError):
-    """The known fault the test below pins down (any other failure is real)."""
+    """A stop string completed by the last allowed token must finish with "stop"."""
 
 
-@pytest.mark.xfail(strict=True, raises=StopAtLengthBug,
-                   reason="EngineCore.process_output keeps finish_reason 'length' when the "
-                   "token that reaches max_tokens also completes a stop string (vLLM reports "
-                   "'stop'); the fix is in aioengine/engine/core.py")
 def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(server):
     base_data = {"prompt": "The history of the printing press", "temperature": 0,
                  "max_tokens": 8, "ignore_eos": True}
@@ -269,13 +265,9 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(se
 
 
 class MinTokensStopBug(AssertionError):
-    """The known gap the test below pins down (any other failure is real)."""
+    """Stop strings are ignored until min_tokens tokens were generated (as vLLM)."""
 
 
-@pytest.mark.xfail(strict=True, raises=MinTokensStopBug,
-                   reason="EngineCore builds IncrementalDetokenizer without min_tokens, so a "
-                   "stop string ends the output before min_tokens (vLLM ignores stop strings "
-                   "until then); the fix is one argument in aioengine/engine/core.py")
 def test_min_tokens_also_holds_off_stop_strings(server):
     data = {"prompt": "1, 2, 3, 4, 5,", "temperature": 0, "max_tokens": 10, "ignore_eos": True}
     text = run(server, lambda c: post(c, COMPLETIONS, data))[0]["choices"][0]["text"]

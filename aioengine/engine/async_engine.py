@@ -302,6 +302,16 @@ class AsyncEngine:
 
     # -- the step loop ---------------------------------------------------------------
     async def _step_loop(self) -> None:
+        try:
+            await self._step_forever()
+        except Exception as exc:
+            # A bug anywhere in a step would otherwise end this task silently
+            # and hang every request. Scheduler and worker may now disagree,
+            # so start both afresh, as after a worker crash.
+            logger.exception("engine step failed")
+            self._worker_died(f"engine error: {exc!r}")
+
+    async def _step_forever(self) -> None:
         core = self.core
         assert core is not None
         while True:

@@ -160,7 +160,8 @@ class EngineCore:
         parent = _ParentRequest(
             request_id, params, list(prompt_token_ids), children,
             [IncrementalDetokenizer(self._backend_tokenizer, params.stop,
-                                    params.include_stop_str_in_output, params.skip_special_tokens)
+                                    params.include_stop_str_in_output, params.skip_special_tokens,
+                                    min_tokens=params.min_tokens)
              for _ in children],
             [CompletionOutput(index=i) for i in range(params.n)])
         self._parents[request_id] = parent
@@ -222,7 +223,8 @@ class EngineCore:
                 continue
             detok = parent.detokenizers[index]
             completion = parent.completions[index]
-            if detok.update(token) and not request.is_finished:
+            stopped = detok.update(token)
+            if stopped and not request.is_finished:
                 self.scheduler.finish_requests([request.request_id],
                                                RequestStatus.FINISHED_STOPPED)
             if detok.stop_reason is not None:
@@ -235,7 +237,9 @@ class EngineCore:
             completion.delta_text = detok.get_delta(finished)
             completion.text += completion.delta_text
             if finished:
-                completion.finish_reason = request.status.finish_reason
+                # A stop string completed by the token that also reached
+                # max_tokens is a stop, as vLLM reports it.
+                completion.finish_reason = "stop" if stopped else request.status.finish_reason
                 completion.stop_reason = request.stop_reason
             changed.setdefault(parent.request_id, (parent, []))[1].append(index)
 
