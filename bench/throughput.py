@@ -300,6 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-sequential", action="store_true",
                    help="also run the workload through HF one request at a time (slow)")
     p.add_argument("--skip-hf", action="store_true", help="our side only")
+    p.add_argument("--no-repeat-engine", dest="repeat_engine", action="store_false",
+                   help="run the engine's throughput once, not before and after HF's")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--batch1-tokens", type=int, default=128,
                    help="tokens for the batch-1 decode measurement (0: skip)")
@@ -346,61 +348,87 @@ def main(argv: list[str] | None = None) -> dict:
                                  "output_len_range": list(args.output_len_range),
                                  **workload_summary(requests)}}
 
-    # Our side, one worker for the throughput, batch-1 and overhead parts.
+    def phase(name: str, fn, *fn_args, **fn_kwargs) -> dict:
+        """Run one measurement with the load average before and after it."""
+        before = load.sample()[0]
+        result = fn(*fn_args, **fn_kwargs)
+        result["loadavg_1m"] = [before, load.sample()[0]]
+        print(f"[{name}: {result.get('elapsed_s', '-')} s, load {before:.2f} -> "
+              f"{result['loadavg_1m'][1]:.2f}]", flush=True)
+        return result
+
+    # Both sides are loaded up front so each comparison runs back to back (the
+    # machine's load drifts): engine, HF, and the engine again for throughput
+    # (its two runs bracket HF's); batch-1 ours then HF's. Our worker idles
+    # (blocked on its doorbell) while HF runs.
     llm = LLM(**engine_kwargs)
+    model = None
     try:
         add_requests(llm, synthetic_workload(4, (16, 64), (4, 8), vocab_size, 99), "warmup")
         drive_steps(llm)
+        if not args.skip_hf:
+            model = baseline_hf.load_hf_model(args.dtype)
+            baseline_hf.warmup(model)
         if not args.skip_throughput:
-            load.sample()
-            report["engine"] = engine_throughput(llm, requests, progress)
+            runs = [phase("engine throughput", engine_throughput, llm, requests, progress)]
+            if model is not None:
+                report["hf"] = phase("HF throughput", baseline_hf.hf_static_batches, model,
+                                     requests, args.hf_batch_size, progress=progress)
+                if args.hf_sequential:
+                    report["hf_sequential"] = phase("HF sequential", baseline_hf.hf_sequential,
+                                                    model, requests, progress)
+                if args.repeat_engine:
+                    runs.append(phase("engine throughput (repeat)", engine_throughput, llm,
+                                      requests, progress))
+            report["engine"] = combine_runs(runs)
+            if model is not None:
+                report["ratio_vs_hf"] = {
+                    k: report["engine"][k] / report["hf"][k]
+                    for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
         if args.batch1_tokens:
-            load.sample()
-            report["batch1_decode"] = {"engine": engine_decode_batch1(llm, batch1_prompt,
-                                                                      args.batch1_tokens)}
+            report["batch1_decode"] = {"engine": phase(
+                "engine batch-1 decode", engine_decode_batch1, llm, batch1_prompt,
+                args.batch1_tokens)}
+            if model is not None:
+                hf_b1 = phase("HF batch-1 decode", baseline_hf.hf_decode_batch1, model,
+                              batch1_prompt, args.batch1_tokens)
+                report["batch1_decode"]["hf"] = hf_b1
+                report["batch1_decode"]["ratio_vs_hf"] = (
+                    report["batch1_decode"]["engine"]["decode_tokens_per_s"]
+                    / hf_b1["decode_tokens_per_s"])
+        del model
         if args.overhead_requests:
-            load.sample()
-            report["overhead"] = {"sync": engine_overhead_sync(
-                llm, args.overhead_requests, args.overhead_prompt_len, args.overhead_output_len,
-                vocab_size, args.seed)}
+            report["overhead"] = {"sync": phase(
+                "engine overhead (sync)", engine_overhead_sync, llm, args.overhead_requests,
+                args.overhead_prompt_len, args.overhead_output_len, vocab_size, args.seed)}
     finally:
         llm.shutdown()
     if args.overhead_requests and not args.skip_async_overhead:
-        load.sample()
-        report["overhead"]["async"] = engine_overhead_async(
-            engine_kwargs, args.overhead_requests, args.overhead_prompt_len,
-            args.overhead_output_len, vocab_size, args.seed)
+        report["overhead"]["async"] = phase(
+            "engine overhead (async)", engine_overhead_async, engine_kwargs,
+            args.overhead_requests, args.overhead_prompt_len, args.overhead_output_len,
+            vocab_size, args.seed)
     if args.ring_round_trips:
-        load.sample()
-        report["ring_round_trip"] = ring_round_trip(args.ring_round_trips)
-
-    # HF's side, same process, after our worker has exited.
-    if not args.skip_hf:
-        model = baseline_hf.load_hf_model(args.dtype)
-        baseline_hf.warmup(model)
-        if not args.skip_throughput:
-            load.sample()
-            report["hf"] = baseline_hf.hf_static_batches(model, requests, args.hf_batch_size,
-                                                         progress=progress)
-            if args.hf_sequential:
-                report["hf_sequential"] = baseline_hf.hf_sequential(model, requests, progress)
-            report["ratio_vs_hf"] = {
-                k: report["engine"][k] / report["hf"][k]
-                for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
-        if args.batch1_tokens:
-            load.sample()
-            hf_b1 = baseline_hf.hf_decode_batch1(model, batch1_prompt, args.batch1_tokens)
-            report["batch1_decode"]["hf"] = hf_b1
-            report["batch1_decode"]["ratio_vs_hf"] = (
-                report["batch1_decode"]["engine"]["decode_tokens_per_s"]
-                / hf_b1["decode_tokens_per_s"])
-        del model
-    load.sample()
+        report["ring_round_trip"] = phase("ring round trip", ring_round_trip,
+                                          args.ring_round_trips)
     report["load"] = load.summary()
     path = write_results(args.output_json, "throughput.json", report)
     print_report(report, args)
     print(f"wrote {path}")
     return report
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """One engine throughput figure from one or more runs of the same workload:
+    rates over the mean elapsed time; each run kept under ``"runs"``."""
+    if len(runs) == 1:
+        return runs[0]
+    mean_elapsed = statistics.fmean(r["elapsed_s"] for r in runs)
+    out = {"elapsed_s": round(mean_elapsed, 3), "runs": runs}
+    for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
+        work = runs[0][key] * runs[0]["elapsed_s"]
+        out[key] = work / mean_elapsed
+    return out
 
 
 def print_report(r: dict, args: argparse.Namespace) -> None:
@@ -411,16 +439,22 @@ def print_report(r: dict, args: argparse.Namespace) -> None:
           f"{r['load']['loadavg_1m_max']:.2f}")
     rows = []
     if "engine" in r:
-        rows.append(("aioengine LLM", r["engine"]))
+        for i, run in enumerate(r["engine"].get("runs", [])):
+            rows.append((f"aioengine LLM, run {i + 1}", run))
+        rows.append(("aioengine LLM" + (" (mean)" if "runs" in r["engine"] else ""),
+                     r["engine"]))
     if "hf" in r:
         rows.append((f"HF generate, static batch {r['hf']['batch_size']}", r["hf"]))
     if "hf_sequential" in r:
         rows.append(("HF generate, batch 1", r["hf_sequential"]))
     if rows:
-        print(f"{'':<32}{'req/s':>9}{'output tok/s':>14}{'total tok/s':>13}{'s':>9}")
+        print(f"{'':<32}{'req/s':>9}{'output tok/s':>14}{'total tok/s':>13}{'s':>9}"
+              f"{'load 1m':>12}")
         for name, x in rows:
+            la = x.get("loadavg_1m")
+            load = f"{la[0]:.1f}->{la[1]:.1f}" if la else ""
             print(f"{name:<32}{x['requests_per_s']:>9.3f}{x['output_tokens_per_s']:>14.1f}"
-                  f"{x['total_tokens_per_s']:>13.1f}{x['elapsed_s']:>9.1f}")
+                  f"{x['total_tokens_per_s']:>13.1f}{x['elapsed_s']:>9.1f}{load:>12}")
     if "ratio_vs_hf" in r:
         ratio = r["ratio_vs_hf"]["output_tokens_per_s"]
         print(f"ratio (output tok/s): {ratio:.2f}x   target >= 2x, stretch 3x")
