@@ -80,6 +80,7 @@ def mixed_prompts(n: int) -> list[str]:
     return prompts
 
 
+@pytest.mark.timeout(1800)  # 33 generations; slow only on a loaded machine
 def test_small_cache_32_requests_preempt_and_match_alone(llm):
     """64 blocks of 16 tokens, 32 concurrent requests: all finish, preemption
     happens, and each greedy output equals the same request run alone."""
