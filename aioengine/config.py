@@ -146,17 +146,28 @@ class ParallelConfig:
         executor: ``"process"`` runs the model in a spawned worker subprocess
             behind shared-memory rings; ``"inproc"`` runs it in this process
             (tests and debugging).
-        num_threads: torch intra-op threads in the worker (0 = torch default).
+        num_threads: torch intra-op threads in each worker (0 = torch default
+            with one worker; with several, the host's cores divided among them).
+        tensor_parallel_size: worker processes the model is split over
+            (Megatron-style tensor parallelism, ``aioengine.distributed``);
+            1 runs today's single worker with no collective.
     """
 
     executor: str = "process"
     num_threads: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.executor not in ("process", "inproc"):
             raise ValueError(f"executor must be 'process' or 'inproc', got {self.executor!r}")
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.executor != "process":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs "
+                             f"executor='process' (one worker process per rank)")
 
 
 @dataclass(frozen=True)

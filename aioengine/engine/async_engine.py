@@ -165,7 +165,9 @@ class AsyncEngine:
     def _on_worker_exit(self) -> None:
         self._unwatch_worker()
         if not self._stopping:
-            code = getattr(self.executor.process, "exitcode", None)
+            process = (getattr(self.executor, "exited_process", None)
+                       or getattr(self.executor, "process", None))
+            code = getattr(process, "exitcode", None)
             self._worker_died(f"the model worker process died (exit code {code})")
 
     def _worker_died(self, message: str) -> None:

@@ -57,7 +57,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     g.add_argument("--num-threads", type=int, default=0,
-                   help="torch threads in the worker (0: torch's default)")
+                   help="torch threads in each worker (0: torch's default; with several "
+                        "workers, the cores divided among them)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many worker processes "
+                        "(torch.distributed; default: %(default)s)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -72,7 +76,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_waiting_requests": args.max_waiting_requests,
         "enable_chunked_prefill": args.enable_chunked_prefill,
-        "executor": args.executor, "num_threads": args.num_threads,
+        # generate runs in this process unless the model is split over workers.
+        "executor": args.executor or ("process" if args.tensor_parallel_size > 1 else "inproc"),
+        "num_threads": args.num_threads, "tensor_parallel_size": args.tensor_parallel_size,
     }
 
 
@@ -80,7 +86,12 @@ def _engine_config(args: argparse.Namespace):
     from aioengine.config import EngineConfig
 
     try:
-        return EngineConfig.from_kwargs(**engine_kwargs(args))
+        config = EngineConfig.from_kwargs(**engine_kwargs(args))
+        if config.parallel.tensor_parallel_size > 1:
+            from aioengine.engine.multiproc_executor import check_parallel_config
+
+            check_parallel_config(config)  # refuse a size the heads cannot split over
+        return config
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"aioengine: error: {exc}")
 
@@ -178,7 +189,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(p)
-    p.set_defaults(func=run_generate, executor="inproc")
+    p.set_defaults(func=run_generate, executor=None)
 
 
 def run_generate(args: argparse.Namespace) -> None:

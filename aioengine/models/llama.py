@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import triton_kernels
+from aioengine.distributed import parallel_state as tp
+from aioengine.distributed.tensor_parallel import shard_llama_weights, vocab_parallel_embedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -149,7 +151,11 @@ class LlamaForCausalLM:
     """Our Llama forward over the paged KV cache.
 
     Weights are plain tensors (``F.linear``), with Q/K/V and gate/up fused
-    into one matmul each.
+    into one matmul each. Under tensor parallelism (``parallel_state``
+    initialised with size > 1) the model keeps only this rank's shard
+    (``distributed.tensor_parallel``) and ``self.arch`` has this rank's head
+    counts; the forward adds an all-reduce after ``o_proj`` and ``down_proj``
+    and around the embedding, and ``compute_logits`` gathers on rank 0.
 
     Args:
         arch: model shape.
@@ -159,6 +165,12 @@ class LlamaForCausalLM:
 
     def __init__(self, arch: LlamaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  max_model_len: int) -> None:
+        self.tp_size = tp.get_tp_size()
+        self.vocab_size = arch.vocab_size
+        self.vocab_start = 0
+        if self.tp_size > 1:
+            arch, self.vocab_start = shard_llama_weights(weights, arch, tp.get_tp_rank(),
+                                                         self.tp_size)
         self.arch = arch
         self.dtype = dtype
         self.scale = arch.head_dim ** -0.5
@@ -222,7 +234,10 @@ class LlamaForCausalLM:
         num_qk_heads = arch.num_heads + arch.num_kv_heads
         cos = self.rotary.cos[positions].unsqueeze(1)
         sin = self.rotary.sin[positions].unsqueeze(1)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.tp_size > 1:
+            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_start)
+        else:
+            hidden = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             residual = hidden
             x = rms_norm(hidden, layer["input_layernorm"], arch.rms_norm_eps)
@@ -239,14 +254,30 @@ class LlamaForCausalLM:
             o = triton_kernels.paged_attention(
                 q, key_cache, value_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens,
                 self.scale, attn.max_seqlen_q, attn.max_seqlen_k)
-            hidden = residual + F.linear(o.reshape(num_tokens, self.q_size), layer["o_proj"])
+            o = F.linear(o.reshape(num_tokens, self.q_size), layer["o_proj"])
+            if self.tp_size > 1:
+                tp.all_reduce(o)  # row-parallel o_proj: sum the ranks' partial outputs
+            hidden = residual + o
             residual = hidden
             x = rms_norm(hidden, layer["post_attention_layernorm"], arch.rms_norm_eps)
             gate, up = F.linear(x, layer["gate_up_proj"]).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer["down_proj"])
+            down = F.linear(F.silu(gate) * up, layer["down_proj"])
+            if self.tp_size > 1:
+                tp.all_reduce(down)  # row-parallel down_proj
+            hidden = residual + down
         return rms_norm(hidden, self.norm, arch.rms_norm_eps)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[num_rows, hidden]`` -> fp32 logits ``[num_rows, vocab_size]``."""
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[num_rows, hidden]`` -> fp32 logits ``[num_rows, vocab_size]``.
+
+        Under tensor parallelism every rank must call it (each computes its
+        vocabulary slice); rank 0 gets the gathered logits, the others None.
+        """
+        logits = F.linear(hidden, self.lm_head)
+        if self.tp_size > 1:
+            logits = tp.gather_to_first(logits)
+            if logits is None:
+                return None
+            logits = logits[:, :self.vocab_size]
+        return logits.float()

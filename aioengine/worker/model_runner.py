@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from aioengine.config import EngineConfig
+from aioengine.distributed import parallel_state as tp
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, SchedulerOutput
 from aioengine.models.llama import AttentionMetadata, LlamaArch, LlamaForCausalLM
 from aioengine.models.loader import load_hf_config, load_weights
@@ -52,6 +53,11 @@ class ModelRunner:
     """Owns the model weights and the KV cache tensor
     ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
 
+    Under tensor parallelism there is one runner per rank, each with its
+    shard of the weights and the KV cache of its KV heads (``num_kv_heads``
+    is then the rank's count); all ranks run every step, rank 0 samples and
+    broadcasts the sampled ids so every rank's persistent batch stays equal.
+
     Args:
         config: engine settings (model path, dtype, cache sizing).
     """
@@ -68,7 +74,10 @@ class ModelRunner:
         self.model = LlamaForCausalLM(self.arch, weights, self.dtype, self.max_model_len + 1)
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()
-        a = self.arch
+        if self.model.tp_size > 1:
+            # The one central block manager needs the same count on every rank.
+            self.num_blocks = tp.all_reduce_min(self.num_blocks)
+        a = self.model.arch
         self.kv_cache = torch.zeros(a.num_layers, 2, self.num_blocks, self.block_size,
                                     a.num_kv_heads, a.head_dim, dtype=self.dtype)
         self.max_blocks_per_seq = -(-(self.max_model_len + 1) // self.block_size)
@@ -86,7 +95,7 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        a = self.arch
+        a = self.model.arch  # this rank's KV heads
         bytes_per_block = (a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim
                            * torch.finfo(self.dtype).bits // 8)
         num_blocks = cache.kv_cache_memory_bytes // bytes_per_block
@@ -184,7 +193,12 @@ class ModelRunner:
         if len(logits_indices):
             logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices)])
             sampling_states = [s for s, m in zip(states, sampling_mask) if m]
-            tokens, logprobs = sample(logits, self._sampling_batch(sampling_states))
+            if logits is not None:
+                tokens, logprobs = sample(logits, self._sampling_batch(sampling_states))
+            else:  # a tensor-parallel rank other than 0: rank 0 samples
+                tokens, logprobs = torch.empty(len(logits_indices), dtype=torch.int64), None
+            if self.model.tp_size > 1:
+                tp.broadcast_from_first(tokens)
             tokens_np = tokens.numpy()
             sampled[sampling_mask] = tokens_np
             for state, token in zip(sampling_states, tokens_np.tolist()):

@@ -6,6 +6,12 @@ with a ``ModelRunnerOutput`` on the worker->engine ring; the first message it
 sends is the ``WorkerReady`` handshake with ``num_blocks``. It exits on a
 ``Shutdown`` message, when the engine closes its ring (end of file on the
 doorbell), or, through ``PR_SET_PDEATHSIG``, when the engine process dies.
+
+Under tensor parallelism every rank runs ``worker_main`` with its own pair
+of rings: each joins the process group, sends its own handshake, and runs
+every step; only rank 0 answers steps. A failed step leaves the ranks'
+collectives out of step, so with several ranks it ends the process (rank 0
+sends the traceback first) and the engine restarts them all.
 """
 
 from __future__ import annotations
@@ -41,9 +47,18 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handle: RingHandle,
-                parent_pid: int) -> None:
-    """Run until shutdown. Never raises: failures go back as ``WorkerError``."""
+                parent_pid: int, dist: tuple[int, str, int, int] | None = None) -> None:
+    """Run until shutdown. Never raises: failures go back as ``WorkerError``.
+
+    Args:
+        dist: ``(rank, init_method, world_size, num_threads)`` of a
+            tensor-parallel rank; None for the single worker.
+    """
     _die_with_parent(parent_pid)
+    rank = 0 if dist is None else dist[0]
+    if dist is not None:
+        # Before torch is imported: OpenMP reads it once.
+        os.environ["OMP_NUM_THREADS"] = str(dist[3])
     # Ctrl-C in a terminal, or a service manager's SIGTERM, reaches the whole
     # process group; the engine decides when the worker stops (it drains first)
     # and PR_SET_PDEATHSIG ends the worker if the engine dies.
@@ -54,7 +69,12 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handl
     try:
         import torch
 
-        if config.parallel.num_threads:
+        if dist is not None:
+            from aioengine.distributed.parallel_state import init_tensor_parallel
+
+            torch.set_num_threads(dist[3])
+            init_tensor_parallel(rank, dist[2], dist[1])
+        elif config.parallel.num_threads:
             torch.set_num_threads(config.parallel.num_threads)
         from aioengine.worker.model_runner import ModelRunner
 
@@ -75,9 +95,15 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handl
             try:
                 out = runner.execute_model(msg)
             except Exception:
-                ring_out.put(encode(WorkerError(traceback.format_exc())))
-                continue
-            ring_out.put(encode(out))
+                if rank == 0:
+                    ring_out.put(encode(WorkerError(traceback.format_exc())))
+                if dist is None:
+                    continue
+                logger.error("tensor-parallel rank %d failed a step; exiting:\n%s", rank,
+                             traceback.format_exc())
+                os._exit(1)
+            if rank == 0:
+                ring_out.put(encode(out))
     except BrokenPipeError:
         pass
     finally:

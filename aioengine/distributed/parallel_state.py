@@ -1,0 +1,116 @@
+"""The tensor-parallel process group of one worker and its collectives.
+
+Each worker process of a ``tensor_parallel_size`` > 1 engine calls
+``init_tensor_parallel`` once; the model and the runner then ask
+``get_tp_rank()`` / ``get_tp_size()`` and call ``all_reduce``,
+``gather_to_first`` and ``broadcast_from_first``. With one worker no group
+exists, the rank is 0, the size 1, and nothing here is called.
+
+The collectives are torch.distributed's: gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+_TP_RANK = 0
+_TP_SIZE = 1
+
+
+def get_open_port() -> int:
+    """A free TCP port on the loopback interface, for ``init_method``.
+
+    The port is free when returned; another process could take it before the
+    ranks bind it (the usual race of this recipe, also vLLM's).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str,
+                         backend: str | None = None, timeout_s: float = 600.0) -> None:
+    """Join the process group of ``world_size`` ranks as ``rank``.
+
+    Args:
+        rank: 0 .. world_size - 1; rank 0 answers the engine.
+        world_size: the tensor-parallel size.
+        init_method: rendezvous address, e.g. ``"tcp://127.0.0.1:29500"``
+            (``"env://"`` reads MASTER_ADDR / MASTER_PORT as torchrun sets them).
+        backend: ``"gloo"`` or ``"nccl"``; None picks NCCL when CUDA is
+            available, else gloo.
+        timeout_s: how long a collective (and the rendezvous) may wait for a
+            peer, seconds. A peer that dies closes its sockets, so the others
+            fail at once rather than after the timeout.
+
+    Raises:
+        RuntimeError: the rendezvous failed or timed out.
+    """
+    global _TP_RANK, _TP_SIZE
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the process group (if any). Idempotent."""
+    global _TP_RANK, _TP_SIZE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_RANK, _TP_SIZE = 0, 1
+
+
+def get_tp_rank() -> int:
+    return _TP_RANK
+
+
+def get_tp_size() -> int:
+    return _TP_SIZE
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place; returns ``x`` (any shape)."""
+    dist.all_reduce(x)
+    return x
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest ``value`` any rank passed (e.g. ``num_blocks``)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def all_gather_object(value: object) -> list[object]:
+    """Every rank's ``value``, in rank order (startup only: pickles)."""
+    out: list[object] = [None] * _TP_SIZE
+    dist.all_gather_object(out, value)
+    return out
+
+
+def gather_to_first(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+    """Concatenate every rank's ``x`` along ``dim`` on rank 0.
+
+    ``x`` must have the same shape on every rank. Returns the concatenation
+    on rank 0 (``x.shape`` with ``dim`` multiplied by the tp size) and None
+    elsewhere.
+    """
+    x = x.contiguous()
+    if _TP_RANK == 0:
+        parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=dim)
+    dist.gather(x, None, dst=0)
+    return None
+
+
+def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank (in place on the others; same shape and dtype)."""
+    dist.broadcast(x, src=0)
+    return x
