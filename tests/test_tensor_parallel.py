@@ -241,9 +241,9 @@ def test_tp2_greedy_matches_tp1_on_random_models(random_models, num_kv_heads):
 
 @pytest.fixture(scope="module")
 def default_tp1():
-    llm = LLM(num_gpu_blocks_override=256, num_threads=2)
+    llm = LLM(num_gpu_blocks_override=256, num_threads=2, executor="inproc")
     try:
-        yield greedy(llm, PROMPTS), llm.executor.weight_bytes
+        yield greedy(llm, PROMPTS), llm.executor.runner.model.parameter_bytes()
     finally:
         llm.shutdown()
 
@@ -332,8 +332,8 @@ def test_bench_script_runs_on_a_tiny_workload(random_models, tmp_path):
     out = tmp_path / "tp.json"
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / "tensor_parallel.py"),
-         "--model", str(random_models[8]), "--configs", "1x1,2x1", "--batch-sizes", "1,4",
-         "--warmup", "1", "--steps", "3", "--output-json", str(out)],
+         "--model", str(random_models[8]), "--configs", "1x1,2x1,3x1", "--batch-sizes", "1,4",
+         "--warmup", "1", "--steps", "3", "--rounds", "1", "--output-json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -344,4 +344,8 @@ def test_bench_script_runs_on_a_tiny_workload(random_models, tmp_path):
         assert r["step_ms"] >= r["forward_ms"]
         assert len(r["rank_weight_bytes"]) == r["tp"]
     assert rows[0]["vs_first"] == 1.0
+    # 3 ranks cannot split 8 heads: skipped with the reason, not run.
+    (skipped,) = report["skipped"]
+    assert skipped["tp"] == 3 and "does not divide the model's 8 attention heads" in \
+        skipped["reason"]
     assert "step ms" in proc.stdout
