@@ -46,6 +46,10 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+# See worker_main; read by libgomp when torch is first imported.
+DEFAULT_GOMP_SPINCOUNT = "10000"
+
+
 def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handle: RingHandle,
                 parent_pid: int, dist: tuple[int, str, int, int] | None = None) -> None:
     """Run until shutdown. Never raises: failures go back as ``WorkerError``.
@@ -59,6 +63,13 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handl
     if dist is not None:
         # Before torch is imported: OpenMP reads it once.
         os.environ["OMP_NUM_THREADS"] = str(dist[3])
+    # libgomp's threads spin for 300,000 iterations (OMP_WAIT_POLICY unset) at every
+    # barrier before sleeping. With one more busy process than cores, each of the
+    # ~120 matmuls of a step then waits a scheduler slice: a batch-1 decode step ran
+    # 10x slower beside a single busy loop on the 2-core dev machine. 10,000 spins
+    # cost nothing measurable on an idle machine and keep most of the speed under
+    # contention (bench/README.md). Set GOMP_SPINCOUNT yourself to override.
+    os.environ.setdefault("GOMP_SPINCOUNT", DEFAULT_GOMP_SPINCOUNT)
     # Ctrl-C in a terminal, or a service manager's SIGTERM, reaches the whole
     # process group; the engine decides when the worker stops (it drains first)
     # and PR_SET_PDEATHSIG ends the worker if the engine dies.
