@@ -1,7 +1,7 @@
 """The HF transformers baseline: what a user without a serving engine runs.
 
 Same weights (the default SmolLM2 GGUF, dequantized by transformers), same
-dtype, same thread count and the same workload as our side. Two modes:
+dtype, same thread count and the same workload as our side. Three modes:
 
 - ``hf_static_batches``: ``model.generate`` on static batches of
   ``batch_size`` requests in workload order, left-padded; each batch runs
@@ -12,22 +12,28 @@ dtype, same thread count and the same workload as our side. Two modes:
 - ``hf_decode_batch1``: one request, ``generate`` with a streamer that stamps
   every new token; decode speed is ``(n - 1) / (t_last - t_first)``, the same
   definition our side uses.
+- ``hf_static_batch_latency``: static batches as above, serving
+  ``batch_size`` concurrent streams: a streamer stamps every step, so each
+  request gets TTFT, ITL, TPOT and E2E as a client of a single-stream HF
+  server would see them (bench/serving.py's ``chat8`` scenario).
 
 Greedy decoding, no EOS stop (``eos_token_id=None``), so every request
 generates exactly its ``output_len`` tokens on both sides.
 
 Usage (alone): python bench/baseline_hf.py [--num-prompts 16] [--batch-size 16] [--dtype float32]
-The benchmarks import these functions: bench/throughput.py runs both sides in
-one process and prints the ratio.
+The benchmarks import these functions: bench/throughput.py and
+bench/serving.py run both sides in one process and print the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -172,6 +178,83 @@ def hf_decode_batch1(model, prompt_token_ids: list[int], num_tokens: int) -> dic
     return {"num_tokens": num_tokens, "prompt_len": len(prompt_token_ids),
             "ttft_s": round(token_stamps[0] - t0, 4), "decode_tokens_per_s": rate,
             "ms_per_token": 1000.0 / rate}
+
+
+@dataclass
+class StreamTiming:
+    """One request served by ``hf_static_batch_latency`` (seconds from the run's start).
+
+    Attributes:
+        arrival_s: when the request was sent (its client's previous request
+            had its last token, or the run started).
+        token_times_s: when each of its tokens came out of ``generate``.
+    """
+
+    prompt_len: int
+    output_len: int
+    arrival_s: float
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.token_times_s[-1] - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = len(self.token_times_s)
+        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else None
+
+    @property
+    def itl_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in itertools.pairwise(t)]
+
+
+def hf_static_batch_latency(model, requests: Sequence[BenchRequest], batch_size: int,
+                            pad_token_id: int = 0, time_limit_s: float = float("inf"),
+                            progress: bool = True) -> list[StreamTiming]:
+    """Serve ``requests`` to ``batch_size`` concurrent streams the way a user
+    without a serving engine would: left-padded static batches of
+    ``batch_size`` in workload order through ``generate``, one batch at a time.
+
+    Closed loop, like the engine side's ``--max-concurrency``: client ``k``
+    sends requests ``k``, ``k + batch_size``, ... each when its previous one
+    has its last token; a batch starts only when the previous batch ended. So
+    a request arrives no later than its batch's start, and TTFT counts any
+    wait for the batch still running (none when the outputs have one length:
+    every request of a batch ends with it). No batch starts after
+    ``time_limit_s``; the requests left are not returned.
+
+    Returns:
+        One ``StreamTiming`` per request served, in workload order.
+    """
+    from tqdm import tqdm
+
+    timings: list[StreamTiming] = []
+    bar = tqdm(total=len(requests), desc=f"HF generate (static batch {batch_size}, streamed)",
+               disable=not progress, leave=False)
+    t0 = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        if time.perf_counter() - t0 >= time_limit_s:
+            break
+        batch = requests[start:start + batch_size]
+        ids, mask = left_pad([r.prompt_token_ids for r in batch], pad_token_id)
+        batch_start = time.perf_counter() - t0
+        clock = _TokenClock()
+        _generate(model, ids, mask, max(r.output_len for r in batch), pad_token_id,
+                  streamer=clock)
+        steps = [t - t0 for t in clock.stamps[1:]]  # stamps[0]: generate() echoing the prompt
+        for i, r in enumerate(batch, start):
+            arrival = timings[i - batch_size].token_times_s[-1] if i >= batch_size else batch_start
+            timings.append(StreamTiming(r.prompt_len, r.output_len, min(arrival, batch_start),
+                                        steps[:r.output_len]))
+        bar.update(len(batch))
+    bar.close()
+    return timings
 
 
 def main(argv: list[str] | None = None) -> None:

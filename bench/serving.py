@@ -25,7 +25,12 @@ Scenarios (``--scenarios``, comma-separated):
 
 - ``chat8``: 8 concurrent chat streams with ~50-token prompts (real
   questions through the chat template), over SSE and WebSocket. Target:
-  TTFT p50 under 1 s.
+  TTFT p50 under 1 s. Then, with our server stopped, the same requests
+  through HF transformers in this process (bench/baseline_hf.py: static
+  batches of ``--chat-concurrency``, left-padded, a streamer stamping each
+  step; same dtype and threads), with the ratio to ours. Only against the
+  server this script starts, unless ``--hf-with-url``; ``--skip-hf`` turns
+  it off.
 - ``sweep``: throughput against concurrency (``--concurrencies``, default
   1,2,4,8,16,32) on random-token prompts; plotted.
 - ``rate``: Poisson arrivals at ``--request-rate`` requests/s.
@@ -358,6 +363,50 @@ async def measured_run(client, endpoint: Endpoint, protocol: str, requests: list
     return result
 
 
+def chat8_workload(tokenizer, args: argparse.Namespace) -> list[BenchRequest]:
+    """The ``chat8`` requests: both sides send these token ids."""
+    output_len = (args.chat_max_tokens, args.chat_max_tokens)
+    return chat_workload(tokenizer, args.chat_requests, output_len, args.seed,
+                         pad_to_50_tokens=True)
+
+
+def hf_chat8(requests: list[BenchRequest], args: argparse.Namespace, load: LoadTracker) -> dict:
+    """``requests`` through HF ``generate`` in static batches of
+    ``--chat-concurrency`` (bench/baseline_hf.py), summarized like our runs
+    (times from the HF run's start)."""
+    import torch
+
+    from bench import baseline_hf
+
+    torch.set_num_threads(args.threads)
+    print(f"loading the HF model ({args.dtype}, {args.threads} threads)", flush=True)
+    model = baseline_hf.load_hf_model(args.dtype)
+    baseline_hf.warmup(model)
+    load.sample()
+    timings = baseline_hf.hf_static_batch_latency(model, requests, args.chat_concurrency,
+                                                  time_limit_s=args.time_limit,
+                                                  progress=not args.no_progress)
+    load.sample()
+    results = [RequestResult(prompt_len=t.prompt_len, output_len=len(t.token_times_s), ok=True,
+                             start=t.arrival_s, ttft_s=t.ttft_s, e2e_s=t.e2e_s,
+                             token_times=t.token_times_s) for t in timings]
+    summary = summarize(results, len(requests), 0.0)
+    summary.update(backend="hf_static_batch", batch_size=args.chat_concurrency,
+                   time_limit_s=args.time_limit,
+                   requests=[_request_record(r, 0.0) for r in results])
+    return summary
+
+
+def ratio_vs_hf(ours: dict, hf: dict) -> dict:
+    """HF TTFT p50 / ours (above 1: ours answers sooner) and our output
+    throughput / HF's (above 1: ours is faster)."""
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else float("nan")
+
+    return {"ttft_p50": ratio(hf["ttft"]["p50_ms"], ours["ttft"]["p50_ms"]),
+            "output_throughput": ratio(ours["output_throughput"], hf["output_throughput"])}
+
+
 async def run_scenarios(endpoint: Endpoint, args: argparse.Namespace, tokenizer, load: LoadTracker
                         ) -> dict:
     import httpx
@@ -369,9 +418,7 @@ async def run_scenarios(endpoint: Endpoint, args: argparse.Namespace, tokenizer,
     timeout = httpx.Timeout(args.time_limit + 60)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         if "chat8" in scenarios:
-            requests = chat_workload(tokenizer, args.chat_requests,
-                                     (args.chat_max_tokens, args.chat_max_tokens), args.seed,
-                                     pad_to_50_tokens=True)
+            requests = chat8_workload(tokenizer, args)
             out["chat8"] = {"workload": workload_summary(requests)}
             for protocol in protocols:
                 load.sample()
@@ -501,8 +548,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scenarios", default="chat8,sweep,rate")
     p.add_argument("--protocols", default="sse,ws")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="for the server this script starts")
-    p.add_argument("--threads", type=int, default=2, help="worker torch threads (own server)")
+                   help="for the server this script starts and the HF baseline")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads of the server this script starts and of the HF baseline")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra 'serve' flag for the server this script starts (repeatable)")
     p.add_argument("--seed", type=int, default=0)
@@ -512,6 +560,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chat-concurrency", type=int, default=8)
     p.add_argument("--chat-requests", type=int, default=24)
     p.add_argument("--chat-max-tokens", type=int, default=128)
+    p.add_argument("--skip-hf", action="store_true",
+                   help="chat8: our server only, no HF transformers baseline")
+    p.add_argument("--hf-with-url", action="store_true",
+                   help="chat8: run the HF baseline here even against --url (same machine, "
+                        "--dtype and --threads must match the server's)")
     # sweep
     p.add_argument("--concurrencies", default="1,2,4,8,16,32")
     p.add_argument("--sweep-input-len", type=int, default=128)
@@ -558,6 +611,13 @@ def main(argv: list[str] | None = None) -> dict:
             endpoint = Endpoint(server.base_url, None, args.model)
             report["server"] = {"args": server_args, "log": str(log)}
         report["results"] = uvloop.run(run_scenarios(endpoint, args, tokenizer, load))
+    # After our server has stopped, so the two sides never share the cores.
+    chat8 = report["results"].get("chat8")
+    if chat8 and not args.skip_hf and (not args.url or args.hf_with_url):
+        chat8["hf"] = hf_chat8(chat8_workload(tokenizer, args), args, load)
+        _print_run(f"chat {args.chat_concurrency} streams, HF", chat8["hf"])
+        chat8["ratio_vs_hf"] = {p: ratio_vs_hf(chat8[p], chat8["hf"])
+                                for p in PROTOCOLS if p in chat8}
     load.sample()
     report["load"] = load.summary()
     report["environment"] = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
@@ -585,6 +645,8 @@ def make_plots(report: dict, plot_dir: Path) -> None:
         for protocol in PROTOCOLS:
             if protocol in results.get(scenario, {}):
                 runs[f"{scenario} {protocol.upper()}"] = results[scenario][protocol]
+    if "hf" in results.get("chat8", {}):
+        runs["chat8 HF static batch"] = results["chat8"]["hf"]
     if runs:
         plot_latency_distributions(runs, plot_dir / "serving_latency_distributions.png", note)
 
@@ -595,6 +657,12 @@ def print_summary(report: dict) -> None:
         if protocol in chat:
             ttft = chat[protocol]["ttft"]["p50_ms"]
             print(f"chat8 {protocol.upper()}: TTFT p50 {ttft:.0f} ms   target < 1000 ms")
+    if "hf" in chat:
+        print(f"chat8 HF static batch {chat['hf']['batch_size']}: TTFT p50 "
+              f"{chat['hf']['ttft']['p50_ms']:.0f} ms")
+        for protocol, ratio in chat["ratio_vs_hf"].items():
+            print(f"chat8 {protocol.upper()} vs HF: TTFT p50 HF/ours {ratio['ttft_p50']:.2f}x, "
+                  f"output tok/s ours/HF {ratio['output_throughput']:.2f}x")
     load = report["load"]
     print(f"load average (1 min) during the run: {load['loadavg_1m_min']:.2f}-"
           f"{load['loadavg_1m_max']:.2f}")

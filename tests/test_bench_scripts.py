@@ -18,8 +18,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # bench/ is not an installed package
 
-from bench.baseline_hf import left_pad  # noqa: E402
+from bench.baseline_hf import hf_static_batch_latency, left_pad  # noqa: E402
 from bench.common import (  # noqa: E402
+    BenchRequest,
     chat_workload,
     latency_summary,
     percentile,
@@ -74,6 +75,29 @@ def test_left_pad_puts_padding_first() -> None:
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
+def test_hf_static_batch_latency_for_serving_streams_waits_for_the_running_batch() -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1)).eval()
+    output_lens = [2, 4, 3, 1, 2]
+    requests = [BenchRequest([5 + i] * (3 + i), n) for i, n in enumerate(output_lens)]
+    timings = hf_static_batch_latency(model, requests, batch_size=2, progress=False)
+    assert [len(t.token_times_s) for t in timings] == output_lens
+    assert all(t.ttft_s > 0 and t.e2e_s >= t.ttft_s for t in timings)
+    assert timings[0].arrival_s == timings[1].arrival_s
+    # Client k sends its next request when its previous one has its last
+    # token; it waits for the batch still running (request 0 ended first).
+    assert timings[2].arrival_s == timings[0].token_times_s[-1]
+    assert timings[3].arrival_s == timings[1].token_times_s[-1]
+    assert timings[2].token_times_s[0] > timings[1].token_times_s[-1]
+    assert timings[2].ttft_s > timings[3].ttft_s
+    assert len(timings[1].itl_s) == 3 and timings[3].tpot_s is None
+
+
 # -- the scripts -------------------------------------------------------------------------------
 
 
@@ -113,8 +137,8 @@ def test_serving_script_against_the_test_server(server, tmp_path: Path) -> None:
                "--sweep-min-requests", "2", "--sweep-requests-per-stream", "1",
                "--sweep-input-len", "8", "--sweep-output-len", "3", "--num-requests", "2",
                "--input-len-range", "8", "12", "--output-len-range", "2", "3",
-               "--request-rate", "20", "--time-limit", "300", "--output-json", str(out),
-               "--plot-dir", str(tmp_path), "--no-progress")
+               "--request-rate", "20", "--time-limit", "300", "--hf-with-url",
+               "--output-json", str(out), "--plot-dir", str(tmp_path), "--no-progress")
     report = json.loads(out.read_text())
     results = report["results"]
     for protocol in ("sse", "ws"):
@@ -126,6 +150,16 @@ def test_serving_script_against_the_test_server(server, tmp_path: Path) -> None:
                 assert set(run[metric]) == LATENCY_KEYS
             assert run["request_throughput"] > 0 and run["output_throughput"] > 0
         assert [r["concurrency"] for r in results["sweep"][protocol]] == [1, 2]
+    hf = results["chat8"]["hf"]
+    assert hf["batch_size"] == 2 and hf["completed"] == hf["num_requests"] == 2, hf["errors"]
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        assert set(hf[metric]) == LATENCY_KEYS
+    assert hf["ttft"]["count"] == 2 and hf["ttft"]["p50_ms"] > 0
+    assert hf["e2e"]["p50_ms"] >= hf["ttft"]["p50_ms"] and hf["itl"]["count"] == 2 * 2
+    assert hf["output_tokens"] == 2 * 3 and hf["output_throughput"] > 0
+    for protocol in ("sse", "ws"):
+        ratio = results["chat8"]["ratio_vs_hf"][protocol]
+        assert ratio["ttft_p50"] > 0 and ratio["output_throughput"] > 0
     assert "api_key" not in report["args"]
     assert (tmp_path / "serving_throughput_vs_concurrency.png").stat().st_size > 0
     assert (tmp_path / "serving_latency_distributions.png").stat().st_size > 0
