@@ -158,6 +158,24 @@ def test_divisible_sizes_are_accepted_and_kv_heads_assigned_to_their_query_heads
             assert {h // group for h in q_heads} <= set(range(first, first + n))
 
 
+def test_group_takes_cpu_tensors_even_where_cuda_is_available(monkeypatch):
+    """The model computes on CPU, so the default backend must be gloo on a CUDA
+    host too (NCCL takes only CUDA tensors: the first collective would fail)."""
+    import torch.distributed as dist
+
+    from aioengine.distributed import parallel_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    parallel_state.init_tensor_parallel(
+        0, 1, f"tcp://127.0.0.1:{parallel_state.get_open_port()}", timeout_s=30)
+    try:
+        assert dist.get_backend() == "gloo"
+        assert parallel_state.all_reduce(torch.ones(3)).tolist() == [1.0, 1.0, 1.0]
+        assert parallel_state.all_reduce_min(7) == 7
+    finally:
+        parallel_state.destroy_tensor_parallel()
+
+
 def test_llm_refuses_tp2_on_the_default_model_before_spawning_workers():
     before = own_workers()
     t0 = time.monotonic()

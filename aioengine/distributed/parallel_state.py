@@ -6,7 +6,10 @@ Each worker process of a ``tensor_parallel_size`` > 1 engine calls
 ``gather_to_first`` and ``broadcast_from_first``. With one worker no group
 exists, the rank is 0, the size 1, and nothing here is called.
 
-The collectives are torch.distributed's: gloo on CPU, NCCL on CUDA.
+The collectives are torch.distributed's. The model runs on CPU (the loader
+never moves a tensor to a GPU), so the default backend is gloo even where
+CUDA is available: NCCL only takes CUDA tensors and would fail the first
+collective; pass ``backend="nccl"`` once the model runs on CUDA.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str,
         world_size: the tensor-parallel size.
         init_method: rendezvous address, e.g. ``"tcp://127.0.0.1:29500"``
             (``"env://"`` reads MASTER_ADDR / MASTER_PORT as torchrun sets them).
-        backend: ``"gloo"`` or ``"nccl"``; None picks NCCL when CUDA is
-            available, else gloo.
+        backend: ``"gloo"`` or ``"nccl"``; None picks gloo, the backend of
+            the CPU tensors the model computes on (whether or not CUDA is
+            available).
         timeout_s: how long a collective (and the rendezvous) may wait for a
             peer, seconds. A peer that dies closes its sockets, so the others
             fail at once rather than after the timeout.
@@ -52,7 +56,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str,
     """
     global _TP_RANK, _TP_SIZE
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "gloo"  # the model's tensors are on CPU; NCCL takes CUDA tensors only
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     _TP_RANK, _TP_SIZE = rank, world_size

@@ -4,7 +4,7 @@ engine --SchedulerOutput--> ring_in --> worker
 engine <--ModelRunnerOutput-- ring_out <-- worker
 
 With ``tensor_parallel_size`` N > 1 there are N workers (ranks) in one
-torch.distributed process group (gloo on CPU, NCCL on CUDA, rendezvous on a
+torch.distributed process group (gloo: the model computes on CPU; rendezvous on a
 free loopback port). Each rank has its own pair of rings: every step is put
 on all N input rings (N single-reader rings rather than one broadcast ring:
 the message is a few hundred bytes, so N copies cost microseconds); only
