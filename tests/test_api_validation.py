@@ -234,6 +234,20 @@ def test_every_endpoint_but_health_needs_the_key(server, method, path, body):
         assert r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.request(method, url, json=body, headers=server.headers, timeout=120)
     assert r.status_code == (404 if path == "/v1/nope" else 200), r.text
+    # The auth scheme is case-insensitive (RFC 9110 §11.1).
+    r = httpx.request(method, url, json=body, timeout=120,
+                      headers={"Authorization": f"bearer  {server.api_key}"})
+    assert r.status_code == (404 if path == "/v1/nope" else 200), r.text
+
+
+def test_bearer_token_parsing():
+    from aioengine.entrypoints.protocol import bearer_token
+
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token(b"BEARER abc") == "abc"
+    assert bearer_token("bearer   a b") == "a b"
+    for value in (None, "", "abc", "Bearer", "Bearer ", "Basic abc", "Bearerabc"):
+        assert bearer_token(value) is None, value
 
 
 def test_health_needs_no_key(server):
@@ -280,6 +294,7 @@ def test_websocket_accepts_the_key_in_each_documented_way(server):
     chat = {"type": "chat", "id": "c", "messages": MESSAGES, "max_tokens": 1, "temperature": 0}
     ways = [(server.ws_url_with_key, None, [chat]),
             (server.ws_url, {"Authorization": f"Bearer {server.api_key}"}, [chat]),
+            (server.ws_url, {"Authorization": f"bearer {server.api_key}"}, [chat]),
             (server.ws_url, None, [{"type": "auth", "api_key": server.api_key}, chat])]
     for url, headers, messages in ways:
         hello, replies = _ws_exchange(url, messages, headers)

@@ -25,6 +25,26 @@ from aioengine.sampling_params import SamplingParamError, SamplingParams
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
+# -- authentication -------------------------------------------------------------------------
+
+
+def bearer_token(authorization: str | bytes | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, else None.
+
+    The scheme name is case-insensitive and may be followed by more than one
+    space (RFC 9110 §11.1, §11.4; RFC 6750 §2.1), so ``bearer KEY`` works too.
+    """
+    if isinstance(authorization, bytes):
+        authorization = authorization.decode("latin-1")
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    token = token.lstrip(" ")
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 _ERROR_TYPES = {

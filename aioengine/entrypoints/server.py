@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from aioengine.config import EngineConfig
 from aioengine.engine.async_engine import EngineDeadError
 from aioengine.entrypoints.protocol import (
+    bearer_token,
     APIError,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -128,12 +129,13 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(header, self.expected):
+            token = bearer_token(dict(scope["headers"]).get(b"authorization"))
+            if token is None or not hmac.compare_digest(token.encode("latin-1"),
+                                                        self.expected):
                 response = error_response(APIError(
                     401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                     None, "invalid_api_key"))

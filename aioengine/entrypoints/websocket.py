@@ -23,6 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from aioengine.engine.async_engine import EngineDeadError
 from aioengine.entrypoints.protocol import (
+    bearer_token,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,8 +65,7 @@ class WebSocketSession:
     def _handshake_key_ok(self) -> bool:
         key = self.ws.query_params.get("api_key")
         if key is None:
-            header = self.ws.headers.get("authorization", "")
-            key = header[7:] if header.startswith("Bearer ") else None
+            key = bearer_token(self.ws.headers.get("authorization"))
         return key is not None and self._key_matches(key)
 
     def _key_matches(self, key: str) -> bool:
