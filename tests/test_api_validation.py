@@ -219,7 +219,8 @@ PROTECTED = [("POST", CHAT, {**BASE[CHAT], "max_tokens": 1}),
              ("POST", COMPLETIONS, {**BASE[COMPLETIONS], "max_tokens": 1}),
              ("GET", "/v1/models", None), ("GET", "/v1/engine/stats", None),
              ("GET", "/metrics", None), ("POST", "/tokenize", {"prompt": "a"}),
-             ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/v1/nope", None)]
+             ("POST", "/detokenize", {"tokens": [1]}), ("POST", "/reset_prefix_cache", None),
+             ("GET", "/v1/nope", None)]
 
 
 @pytest.mark.parametrize("method,path,body", PROTECTED)

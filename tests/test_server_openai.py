@@ -234,3 +234,34 @@ def test_server_still_serves_after_bad_input(client, model):
     reply = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0,
                                            max_tokens=32)
     assert "Paris" in reply.choices[0].message.content
+
+
+def test_reset_prefix_cache_route_forgets_cached_blocks(client, model, http):
+    """POST /reset_prefix_cache (vLLM's route): after it, a prompt just served is
+    computed again from scratch (cached_tokens 0); before it, its blocks hit."""
+    messages = [{"role": "user", "content": "List three rivers of Europe, "
+                 "one per line, with a short note on each of them."}]
+
+    def cached() -> int:
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=1,
+                                           temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() > 0
+    r = http.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert cached() == 0
+    assert cached() > 0
+
+
+def test_reset_prefix_cache_is_409_while_a_request_holds_blocks(server, http, model):
+    body = {"model": model, "messages": CAPITAL, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c, \
+            c.stream("POST", "/v1/chat/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        assert any(line.startswith("data: ") for line in lines)  # running, blocks held
+        r = http.post("/reset_prefix_cache")
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["code"] == "requests_running"

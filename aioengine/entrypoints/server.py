@@ -82,7 +82,7 @@ DEFAULT_MAX_WS_REQUESTS = 16
 DEFAULT_WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 # Paths served without an API key: the health probe and the static chat page
 # (which then authenticates its WebSocket itself).
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/metrics")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/metrics", "/reset_prefix_cache")
 
 
 # -- errors and middleware -------------------------------------------------------------------
@@ -499,6 +499,18 @@ async def engine_stats(request: Request) -> Response:
     return JSONResponse(dataclasses.asdict(stats))
 
 
+async def reset_prefix_cache(request: Request) -> Response:
+    """Forget every cached prefix block (vLLM's ``POST /reset_prefix_cache``), e.g.
+    before a cold-start benchmark. 200 ``{"reset": true}``; 409 while requests hold
+    blocks (nothing changes then)."""
+    serving = _serving(request)
+    if not serving.engine.reset_prefix_cache():
+        raise APIError(409, "requests are running: the prefix cache can only be reset "
+                       "when no request holds KV blocks; nothing was changed", None,
+                       "requests_running")
+    return JSONResponse({"reset": True})
+
+
 async def tokenize(request: Request) -> Response:
     serving = _serving(request)
     req = parse_request(TokenizeRequest, await request.body())
@@ -606,6 +618,7 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
     ]
