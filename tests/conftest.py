@@ -13,6 +13,7 @@ says otherwise (``inproc``), or the subprocess executor is not there yet.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import signal
@@ -150,3 +151,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
     assert info.process.returncode in (0, -signal.SIGTERM), \
         f"server exit code {info.process.returncode}:\n{info.log_tail()}"
     assert "Traceback" not in info.log_path.read_text(errors="replace"), info.log_tail(200)
+
+
+def post_all(server, *requests: tuple[str, dict]) -> list[dict]:
+    """POST the requests concurrently (they share engine steps); all must be 200."""
+    async def go():
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers,
+                                     timeout=300) as client:
+            return await asyncio.gather(*(client.post(p, json=b) for p, b in requests))
+
+    responses = asyncio.run(go())
+    for r, (path, data) in zip(responses, requests):
+        assert r.status_code == 200, f"{path} {data}: {r.status_code} {r.text}"
+    return [r.json() for r in responses]

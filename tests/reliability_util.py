@@ -78,6 +78,25 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def spawned_workers() -> set[int]:
+    """Live spawned children of this process (workers), the resource tracker aside."""
+    kids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            kids |= {int(k) for k in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    workers = set()
+    for kid in kids:
+        try:
+            cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline and pid_alive(kid):
+            workers.add(kid)
+    return workers
+
+
 def shm_segments(server_pid: int) -> set[str]:
     """Names of the server's rings in /dev/shm (``aioengine_{pid}_{random}``)."""
     prefix = f"aioengine_{server_pid}_"

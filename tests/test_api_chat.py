@@ -9,9 +9,9 @@ The oracle for the template is the model's tokenizer loaded here with
 
 from __future__ import annotations
 
-import asyncio
 
 import httpx
+from conftest import post_all
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -73,18 +73,6 @@ def test_system_and_assistant_turns_reach_the_prompt(http):
     assert default.split("<|im_end|>")[0] not in pirate
     assert "<|im_start|>assistant\nBlue.<|im_end|>" in history
     assert history.endswith("<|im_start|>user\nAnother one?<|im_end|>\n<|im_start|>assistant\n")
-
-
-def post_all(server, *requests: tuple[str, dict]) -> list[dict]:
-    """POST concurrently (one batch); all must be 200."""
-    async def go():
-        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers,
-                                     timeout=300) as client:
-            return await asyncio.gather(*(client.post(p, json=b) for p, b in requests))
-
-    responses = asyncio.run(go())
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-    return [r.json() for r in responses]
 
 
 def test_chat_completion_uses_the_template_prompt(server, http):

@@ -12,12 +12,12 @@ fails. Requests of one test run concurrently (one batch) to save steps.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import re
 from dataclasses import dataclass
 
 import httpx
+from conftest import post_all
 import openai
 import pytest
 
@@ -80,19 +80,6 @@ def body(endpoint: str, prompt: str | list | None = None, top: int | None = None
         if top is not None:
             data["logprobs"] = top
     return endpoint, data | fields
-
-
-def post_all(server, *requests: tuple[str, dict]) -> list[dict]:
-    """POST the requests concurrently (they share engine steps); all must be 200."""
-    async def go():
-        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers,
-                                     timeout=300) as client:
-            return await asyncio.gather(*(client.post(p, json=b) for p, b in requests))
-
-    responses = asyncio.run(go())
-    for r, (path, data) in zip(responses, requests):
-        assert r.status_code == 200, f"{path} {data}: {r.status_code} {r.text}"
-    return [r.json() for r in responses]
 
 
 def tokenize(server, text: str) -> list[int]:

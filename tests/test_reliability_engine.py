@@ -7,37 +7,17 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import uvloop
-from reliability_util import pid_alive, shm_segments, wait_until
+from reliability_util import pid_alive, shm_segments, spawned_workers, wait_until
 
 from aioengine.config import EngineConfig
 from aioengine.engine.async_engine import AsyncEngine
 
 
-def _spawned_workers() -> set[int]:
-    """This process's spawned children that are not its resource tracker."""
-    kids = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            kids |= {int(k) for k in (task / "children").read_text().split()}
-        except OSError:
-            pass
-    workers = set()
-    for kid in kids:
-        try:
-            cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline and pid_alive(kid):
-            workers.add(kid)
-    return workers
-
-
 def test_shutdown_during_a_worker_restart_leaves_no_worker_and_no_segment():
     segments_before = shm_segments(os.getpid())
-    workers_before = _spawned_workers()
+    workers_before = spawned_workers()
 
     async def main() -> tuple[int, int, float]:
         engine = await AsyncEngine.start(EngineConfig.from_kwargs(num_gpu_blocks_override=64))
@@ -45,11 +25,11 @@ def test_shutdown_during_a_worker_restart_leaves_no_worker_and_no_segment():
         os.kill(old, signal.SIGKILL)
         # The restart has begun once a new worker process is loading.
         deadline = time.monotonic() + 60
-        while not (_spawned_workers() - workers_before - {old}):
+        while not (spawned_workers() - workers_before - {old}):
             assert time.monotonic() < deadline, "no new worker was started"
             await asyncio.sleep(0.05)
         assert not engine.healthy
-        (new,) = _spawned_workers() - workers_before - {old}
+        (new,) = spawned_workers() - workers_before - {old}
         t0 = time.monotonic()
         await asyncio.wait_for(engine.shutdown(), 300)
         took = time.monotonic() - t0

@@ -24,7 +24,7 @@ import pytest
 import torch
 import uvloop
 from parity import assert_greedy_parity
-from reliability_util import pid_alive, shm_segments, wait_until
+from reliability_util import pid_alive, shm_segments, spawned_workers, wait_until
 
 from aioengine import LLM, SamplingParams
 from aioengine.config import EngineConfig, default_model_path
@@ -74,25 +74,6 @@ def expected_rank_bytes(full: int, *, tp: int, hidden: int, layers: int, vocab: 
     kv_rank = layers * 2 * kv_heads_of_rank(0, tp, num_kv_heads)[1] * head_dim * hidden * 4
     vocab_pad = (vocab_shard_size(vocab, tp) * tp - vocab) * hidden * 4 * (1 if tied else 2)
     return (full - norms - kv_full + vocab_pad) // tp + norms + kv_rank
-
-
-def own_workers() -> set[int]:
-    """Live spawned children of this process, the resource tracker aside."""
-    kids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            kids |= {int(k) for k in (task / "children").read_text().split()}
-        except OSError:
-            pass
-    out = set()
-    for kid in kids:
-        try:
-            cmd = Path(f"/proc/{kid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmd and b"resource_tracker" not in cmd and pid_alive(kid):
-            out.add(kid)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +158,11 @@ def test_group_takes_cpu_tensors_even_where_cuda_is_available(monkeypatch):
 
 
 def test_llm_refuses_tp2_on_the_default_model_before_spawning_workers():
-    before = own_workers()
+    before = spawned_workers()
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's 9"):
         LLM(tensor_parallel_size=2)
-    assert own_workers() == before
+    assert spawned_workers() == before
     assert time.monotonic() - t0 < 60
 
 
