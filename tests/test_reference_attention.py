@@ -269,3 +269,85 @@ def test_reshape_and_cache_argument_errors(args, message):
                   "slot_mapping": torch.tensor([0, 1, 2])}
     with pytest.raises(ValueError, match=message):
         triton_kernels.reshape_and_cache(**{**kwargs, **args})
+
+
+# -- one plan per step -----------------------------------------------------------------------
+
+
+def _slot_mapping(batch) -> torch.Tensor:
+    """The cache slots of each sequence's new tokens, as the model runner builds them."""
+    block_size = batch["key_cache"].shape[1]
+    slots = []
+    for i in range(batch["seq_lens"].shape[0]):
+        q_len = int(batch["cu_seqlens_q"][i + 1] - batch["cu_seqlens_q"][i])
+        seq_len = int(batch["seq_lens"][i])
+        for p in range(seq_len - q_len, seq_len):
+            slots.append(int(batch["block_tables"][i, p // block_size]) * block_size
+                         + p % block_size)
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def _plan(batch, slot_mapping=None):
+    return triton_kernels.plan_attention(
+        _slot_mapping(batch) if slot_mapping is None else slot_mapping, batch["block_tables"],
+        batch["cu_seqlens_q"], batch["seq_lens"], batch["max_seqlen_q"], batch["max_seqlen_k"],
+        batch["key_cache"])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_planned_attention_equals_unplanned_and_serves_every_layer(scenario, num_heads,
+                                                                  num_kv_heads):
+    # One plan, several "layers" with different caches and queries: each planned call must
+    # equal the self-planning call bit for bit (same ops), and the naive oracle.
+    q_lens, seq_lens = SCENARIOS[scenario](16)
+    batches = [make_batch(q_lens, seq_lens, num_heads, num_kv_heads, 16, seed=s)
+               for s in range(3)]
+    for b in batches[1:]:  # a step's layers share the metadata, not the contents
+        b["block_tables"], b["cu_seqlens_q"] = batches[0]["block_tables"], batches[0]["cu_seqlens_q"]
+    plan = _plan(batches[0])
+    for b in batches:
+        planned = triton_kernels.paged_attention(**b, plan=plan)
+        torch.testing.assert_close(planned, run_reference(b), atol=0, rtol=0)
+        assert_close_to_naive(b, planned)
+
+
+def test_planned_cache_write_equals_unplanned_with_padding_slots():
+    key_cache = torch.zeros(5, 4, 2, 8)
+    value_cache = torch.zeros_like(key_cache)
+    key, value = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    slot_mapping = torch.tensor([0, -1, 7, 19, -1, 9])
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    triton_kernels.reshape_and_cache(key, value, expected_k, expected_v, slot_mapping)
+    plan = triton_kernels.plan_attention(slot_mapping, torch.zeros(6, 5, dtype=torch.int32),
+                                         torch.arange(7, dtype=torch.int32),
+                                         torch.full((6,), 20, dtype=torch.int32), 1, 20, key_cache)
+    triton_kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, plan=plan)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+    assert int((key_cache != 0).any(-1).any(-1).sum()) == 4  # the two -1 tokens are skipped
+
+
+def test_plan_checks_slots_and_metadata_once():
+    batch = make_batch([1, 6], [20, 6], 6, 2, 16)
+    num_slots = batch["key_cache"].shape[0] * 16
+    with pytest.raises(IndexError, match="past the end of the cache"):
+        _plan(batch, slot_mapping=torch.tensor([0] * 6 + [num_slots]))
+    slots = _slot_mapping(batch)
+    with pytest.raises(ValueError, match="cu_seqlens_q must have"):
+        _plan({**batch, "cu_seqlens_q": batch["cu_seqlens_q"][:-1]}, slots)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        _plan({**batch, "max_seqlen_k": 10**6}, slots)
+
+
+def test_planned_calls_reject_tensors_of_another_step():
+    batch = make_batch([1, 6], [20, 6], 6, 2, 16)
+    plan = _plan(batch)
+    with pytest.raises(ValueError, match="do not match the plan"):
+        triton_kernels.paged_attention(**{**batch, "query": batch["query"][:3]}, plan=plan)
+    with pytest.raises(ValueError, match="do not match the plan"):
+        triton_kernels.paged_attention(**{**batch, "key_cache": batch["key_cache"][:-1],
+                                          "value_cache": batch["value_cache"][:-1]}, plan=plan)
+    with pytest.raises(ValueError, match="do not match the plan"):
+        triton_kernels.reshape_and_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8),
+                                         batch["key_cache"], batch["value_cache"],
+                                         torch.tensor([0, 1]), plan=plan)

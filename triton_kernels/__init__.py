@@ -34,15 +34,48 @@ import torch
 from . import reference
 
 __all__ = [
+    "AttentionPlan",
     "paged_attention",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "plan_attention",
     "reshape_and_cache",
 ]
 
+AttentionPlan = reference.AttentionPlan
+
+
+def plan_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, key_cache: torch.Tensor) -> AttentionPlan | None:
+    """One step's metadata checked and its index math done once, for every layer's
+    ``reshape_and_cache`` and ``paged_attention`` (pass it as ``plan=``).
+
+    On CPU this is where the gather indices, masks and the split of a mixed batch are
+    computed (the way vLLM's attention backends build per-step metadata); the per-layer
+    calls then only gather and run SDPA. The Triton kernels compute their indices
+    in-kernel, so on CUDA it returns None and the calls take their usual path.
+
+    Args:
+        slot_mapping, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k: as
+            in ``reshape_and_cache`` and ``paged_attention``.
+        key_cache: any one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``
+            cache (for its geometry and device).
+
+    Raises:
+        ValueError: on malformed metadata.
+        IndexError: for a slot past the end of the cache.
+    """
+    if key_cache.is_cuda:
+        return None
+    num_blocks, block_size = key_cache.shape[:2]
+    return reference.plan_attention(slot_mapping, block_tables, cu_seqlens_q, seq_lens,
+                                    max_seqlen_q, max_seqlen_k, num_blocks, block_size)
+
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      plan: AttentionPlan | None = None) -> None:
     """Write this step's K/V into the paged cache, in place (PagedAttention, Kwon et al. 2023,
     §4.1).
 
@@ -52,10 +85,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]`` int64 (int32 accepted); slot = block_id *
             block_size + offset; -1 skips the token.
+        plan: this step's ``plan_attention`` (built from the same ``slot_mapping``); on CPU
+            the slots were checked there and are not checked again.
 
     Raises:
         ValueError: on mismatched shapes, dtypes, devices or (CUDA) strides.
     """
+    if plan is not None and not key_cache.is_cuda:
+        reference.reshape_and_cache_planned(key, value, key_cache, value_cache, plan)
+        return
     if key_cache.is_cuda:
         from .cache_ops import reshape_and_cache as impl
     else:
@@ -66,7 +104,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_seqlen_q: int,
-                    max_seqlen_k: int) -> torch.Tensor:
+                    max_seqlen_k: int, plan: AttentionPlan | None = None) -> torch.Tensor:
     """Causal attention of any batch over the paged KV cache.
 
     One entry for decode, prefill, chunked prefill, prompts with a cached prefix and
@@ -88,6 +126,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         seq_lens: ``[num_seqs]`` int32, new tokens included.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         max_seqlen_q, max_seqlen_k: ``max(q_len)``, ``max(seq_lens)`` as Python ints.
+        plan: this step's ``plan_attention`` of the same metadata; on CPU the metadata is
+            then neither re-checked nor re-indexed.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype.
@@ -95,6 +135,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     Raises:
         ValueError: on mismatched shapes, dtypes, devices or (CUDA) strides.
     """
+    if plan is not None and not query.is_cuda:
+        return reference.paged_attention_planned(query, key_cache, value_cache, plan, scale)
     if not query.is_cuda:
         return reference.paged_attention(query, key_cache, value_cache, block_tables,
                                          cu_seqlens_q, seq_lens, scale, max_seqlen_q,

@@ -26,7 +26,7 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first
 
 
-def _check_index(name: str, t: torch.Tensor, ndim: int) -> None:
+def check_index(name: str, t: torch.Tensor, ndim: int) -> None:
     if t.dtype not in INDEX_DTYPES:
         raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     if t.ndim != ndim:
@@ -64,12 +64,48 @@ def check_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                              f"{key_cache.dtype}")
     if value.shape[0] != key.shape[0]:
         raise ValueError(f"key has {key.shape[0]} tokens but value has {value.shape[0]}")
-    _check_index("slot_mapping", slot_mapping, 1)
+    check_index("slot_mapping", slot_mapping, 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
                          f"{key.shape[0]} tokens")
     check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                       slot_mapping=slot_mapping)
+
+
+def check_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_k: int,
+                   block_size: int, cu_seqlens_q: torch.Tensor | None = None,
+                   max_seqlen_q: int | None = None, num_tokens: int | None = None) -> None:
+    """A step's attention metadata on its own; decode when ``cu_seqlens_q`` is None.
+
+    Raises:
+        ValueError: on a wrong rank or dtype, a row count that does not match, or maxima
+            the block table cannot hold.
+    """
+    check_index("block_tables", block_tables, 2)
+    check_index("seq_lens", seq_lens, 1)
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} "
+                         "sequences")
+    if not 1 <= max_seqlen_k <= block_tables.shape[1] * block_size:
+        raise ValueError(f"max_seqlen_k={max_seqlen_k} must be in [1, "
+                         f"{block_tables.shape[1] * block_size}] (block_tables has "
+                         f"{block_tables.shape[1]} columns of {block_size} tokens)")
+    if cu_seqlens_q is None:
+        if num_tokens is not None and num_tokens != num_seqs:
+            raise ValueError(f"decode takes one query per sequence: query has {num_tokens} rows "
+                             f"for {num_seqs} sequences")
+        return
+    check_index("cu_seqlens_q", cu_seqlens_q, 1)
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise ValueError(f"cu_seqlens_q must have num_seqs + 1 = {num_seqs + 1} entries, "
+                         f"got {cu_seqlens_q.shape[0]}")
+    if max_seqlen_q is None or not 1 <= max_seqlen_q <= max(num_tokens or 0, 1):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} must be in [1, num_tokens={num_tokens}]")
+    if max_seqlen_q > max_seqlen_k:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} exceeds max_seqlen_k={max_seqlen_k}: "
+                         "seq_lens include the new query tokens")
+    check_same_device(block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
 
 
 def check_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -96,31 +132,12 @@ def check_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if query.dtype != key_cache.dtype:
         raise ValueError(f"query dtype {query.dtype} differs from the cache dtype "
                          f"{key_cache.dtype}")
-    _check_index("block_tables", block_tables, 2)
-    _check_index("seq_lens", seq_lens, 1)
-    num_seqs = seq_lens.shape[0]
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} "
-                         "sequences")
-    if not 1 <= max_seqlen_k <= block_tables.shape[1] * block_size:
-        raise ValueError(f"max_seqlen_k={max_seqlen_k} must be in [1, "
-                         f"{block_tables.shape[1] * block_size}] (block_tables has "
-                         f"{block_tables.shape[1]} columns of {block_size} tokens)")
+    check_metadata(block_tables, seq_lens, max_seqlen_k, block_size, cu_seqlens_q, max_seqlen_q,
+                   num_tokens)
     if cu_seqlens_q is None:
-        if num_tokens != num_seqs:
-            raise ValueError(f"decode takes one query per sequence: query has {num_tokens} rows "
-                             f"for {num_seqs} sequences")
         check_same_device(query=query, key_cache=key_cache, value_cache=value_cache,
                           block_tables=block_tables, seq_lens=seq_lens)
-        return
-    _check_index("cu_seqlens_q", cu_seqlens_q, 1)
-    if cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise ValueError(f"cu_seqlens_q must have num_seqs + 1 = {num_seqs + 1} entries, "
-                         f"got {cu_seqlens_q.shape[0]}")
-    if max_seqlen_q is None or not 1 <= max_seqlen_q <= max(num_tokens, 1):
-        raise ValueError(f"max_seqlen_q={max_seqlen_q} must be in [1, num_tokens={num_tokens}]")
-    if max_seqlen_q > max_seqlen_k:
-        raise ValueError(f"max_seqlen_q={max_seqlen_q} exceeds max_seqlen_k={max_seqlen_k}: "
-                         "seq_lens include the new query tokens")
-    check_same_device(query=query, key_cache=key_cache, value_cache=value_cache,
-                      block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
+    else:
+        check_same_device(query=query, key_cache=key_cache, value_cache=value_cache,
+                          block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
+                          seq_lens=seq_lens)

@@ -23,10 +23,12 @@ a masked NaN would still poison the softmax-weighted sum.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from ._validation import check_attention, check_cache_write
+from ._validation import check_attention, check_cache_write, check_index, check_metadata
 
 # enable_gqa arrived in torch 2.5; older versions repeat the KV heads instead.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -70,44 +72,71 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         IndexError: for a slot past the end of the cache.
     """
     check_cache_write(key, value, key_cache, value_cache, slot_mapping)
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_slots = num_blocks * block_size
-    slots = slot_mapping.long()
-    if slots.numel() == 0:
-        return
-    lo, hi = (int(x) for x in torch.aminmax(slots))
-    if hi >= num_slots:
-        raise IndexError(f"slot {hi} is past the end of the cache ({num_slots} slots)")
-    if lo < 0:  # padding tokens (slot -1) are rare: filter only when present
-        keep = (slots >= 0).nonzero().squeeze(1)
-        slots, key, value = slots[keep], key[keep], value[keep]
+    num_blocks, block_size = key_cache.shape[:2]
+    slots, written = _valid_slots(slot_mapping.long(), num_blocks * block_size)
     if key_cache.is_contiguous() and value_cache.is_contiguous():
-        # One index_copy_ per cache on the [num_slots, heads, dim] view: a fifth of the
-        # time of a two-index put (block, offset).
-        key_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slots, key)
-        value_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slots, value)
+        _write_slots(key, value, key_cache, value_cache, slots, written)
         return
+    if written is not None:
+        key, value = key[written], value[written]
     block_ids = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - block_ids * block_size
     key_cache[block_ids, offsets] = key
     value_cache[block_ids, offsets] = value
 
 
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
+def _valid_slots(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(slots >= 0, indices of those tokens or None when all are)``; one ``aminmax``.
+
+    Raises:
+        IndexError: for a slot past the end of the cache.
+    """
+    if slots.numel() == 0:
+        return slots, None
+    lo, hi = (int(x) for x in torch.aminmax(slots))
+    if hi >= num_slots:
+        raise IndexError(f"slot {hi} is past the end of the cache ({num_slots} slots)")
+    if lo >= 0:
+        return slots, None
+    # Padding tokens (slot -1) are rare: filter only when present.
+    written = (slots >= 0).nonzero().squeeze(1)
+    return slots[written], written
+
+
+def _write_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slots: torch.Tensor,
+                 written: torch.Tensor | None) -> None:
+    """One ``index_copy_`` per contiguous cache on its ``[num_slots, heads, dim]`` view:
+    a fifth of the time of a two-index put (block, offset)."""
+    if written is not None:
+        key, value = key[written], value[written]
+    if slots.numel() == 0:
+        return
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_slots = num_blocks * block_size
+    key_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    value_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, max_seqlen_k: int,
                slot: int) -> torch.Tensor:
     """``[num_seqs, max_seqlen_k, num_kv_heads, head_dim]`` view of each sequence's cached
-    tokens, in order. Past a sequence's length it holds whatever its blocks hold."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    num_seqs = block_tables.shape[0]
-    blocks_per_seq = -(-max_seqlen_k // block_size)
-    # Padding entries of a block table are arbitrary; clamp so they index a real block
-    # (whose tokens are then masked out).
-    block_ids = block_tables[:, :blocks_per_seq].clamp(0, num_blocks - 1).reshape(-1)
-    out = _buffer(slot, (num_seqs * blocks_per_seq, block_size, num_kv_heads, head_dim),
-                  cache.dtype, cache.device)
+    tokens, in order, from ``block_ids`` (``[num_seqs * blocks_per_seq]``, already clamped
+    into the cache). Past a sequence's length it holds whatever its blocks hold."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    out = _buffer(slot, (block_ids.shape[0], block_size, num_kv_heads, head_dim), cache.dtype,
+                  cache.device)
     torch.index_select(cache, 0, block_ids, out=out)
-    return out.view(num_seqs, blocks_per_seq * block_size, num_kv_heads, head_dim)[
-        :, :max_seqlen_k]
+    return out.view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_seqlen_k]
+
+
+def _gather_ids(block_tables: torch.Tensor, max_seqlen_k: int, num_blocks: int,
+                block_size: int) -> torch.Tensor:
+    """The block ids ``_gather_kv`` reads: each row's first ``ceil(max_seqlen_k /
+    block_size)`` entries, flattened. Padding entries of a block table are arbitrary;
+    clamping makes them index a real block (whose tokens are then masked out)."""
+    blocks_per_seq = -(-max_seqlen_k // block_size)
+    return block_tables[:, :blocks_per_seq].clamp(0, num_blocks - 1).reshape(-1)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -123,53 +152,171 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
                                           is_causal=is_causal)
 
 
+# -- per-step plans ------------------------------------------------------------------------
+# Everything attention needs besides Q and the cache contents (gather indices, masks, the
+# split of a mixed batch) depends only on the step's metadata, which every layer shares.
+# ``plan_attention`` computes it once per step, as vLLM's attention backends build their
+# metadata once per step; the per-layer work is then gathers and SDPA only.
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    block_ids: torch.Tensor  # [num_seqs * blocks_per_seq], clamped
+    num_seqs: int
+    max_seqlen_k: int
+    mask: torch.Tensor | None  # [num_seqs, 1, 1, max_seqlen_k] bool; None: nothing masked
+
+
+@dataclass(frozen=True)
+class _PrefillPlan:
+    block_ids: torch.Tensor
+    num_seqs: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    mask: torch.Tensor | None  # [num_seqs, 1, max_seqlen_q, max_seqlen_k]; None: plain causal
+    token_seq: torch.Tensor  # [num_tokens] sequence of each query row
+    token_row: torch.Tensor  # [num_tokens] row of each query row within its sequence
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's attention and cache-write index math for the CPU path, shared by every
+    layer. Built by ``plan_attention``; opaque to callers.
+
+    A batch is all decodes (``prefill`` None), all prefill rows (``decode`` None), or
+    mixed: the decode rows ``decode_tokens`` go through the decode path and the rest,
+    ``prefill_tokens``, are padded only to the longest of the rest.
+    """
+
+    num_tokens: int
+    num_blocks: int
+    block_size: int
+    decode: _DecodePlan | None
+    prefill: _PrefillPlan | None
+    decode_tokens: torch.Tensor | None
+    prefill_tokens: torch.Tensor | None
+    slots: torch.Tensor | None  # [num_written] int64 cache slots; None: no slot_mapping given
+    written_tokens: torch.Tensor | None  # tokens with a slot >= 0; None: every token
+
+
+def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_k: int,
+                 num_blocks: int, block_size: int) -> _DecodePlan:
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 1 and seq_lens.device.type == "cpu" and int(seq_lens[0]) == max_seqlen_k:
+        mask = None
+    else:
+        positions = torch.arange(max_seqlen_k, device=seq_lens.device)
+        mask = (positions < seq_lens[:, None]).view(num_seqs, 1, 1, max_seqlen_k)
+    return _DecodePlan(_gather_ids(block_tables, max_seqlen_k, num_blocks, block_size),
+                       num_seqs, max_seqlen_k, mask)
+
+
+def _plan_prefill(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
+                  token_seq: torch.Tensor, token_row: torch.Tensor, max_seqlen_q: int,
+                  max_seqlen_k: int, num_blocks: int, block_size: int) -> _PrefillPlan:
+    """``token_seq[t]``/``token_row[t]``: sequence (index into ``seq_lens``, ``q_lens``,
+    ``block_tables``) and row of query row t."""
+    num_tokens = token_seq.shape[0]
+    num_seqs = seq_lens.shape[0]
+    block_ids = _gather_ids(block_tables, max_seqlen_k, num_blocks, block_size)
+    if num_seqs == 1 and num_tokens == max_seqlen_k and int(seq_lens[0]) == num_tokens:
+        # A cold prompt alone: plain causal attention, which SDPA does without a mask.
+        mask = None
+    else:
+        # Row j of sequence i sits at position seq_len - q_len + j and sees keys
+        # 0..position. Padding rows (j >= q_len) see at least key 0, so no row of the
+        # softmax is empty.
+        q_positions = ((seq_lens - q_lens)[:, None]
+                       + torch.arange(max_seqlen_q, device=seq_lens.device))
+        k_positions = torch.arange(max_seqlen_k, device=seq_lens.device)
+        mask = (k_positions <= q_positions[:, :, None]).unsqueeze(1)
+    return _PrefillPlan(block_ids, num_seqs, max_seqlen_q, max_seqlen_k, mask, token_seq,
+                        token_row)
+
+
+def _plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+          seq_lens: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, num_tokens: int,
+          num_blocks: int, block_size: int, force_prefill: bool = False,
+          slots: torch.Tensor | None = None,
+          written_tokens: torch.Tensor | None = None) -> AttentionPlan:
+    num_seqs = seq_lens.shape[0]
+
+    def plan(decode=None, prefill=None, decode_tokens=None, prefill_tokens=None):
+        return AttentionPlan(num_tokens, num_blocks, block_size, decode, prefill,
+                             decode_tokens, prefill_tokens, slots, written_tokens)
+
+    if not force_prefill and max_seqlen_q == 1 and num_tokens == num_seqs:
+        return plan(decode=_plan_decode(block_tables, seq_lens, max_seqlen_k, num_blocks,
+                                        block_size))
+    device = seq_lens.device
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
+                                        output_size=num_tokens)
+    token_row = torch.arange(num_tokens, device=device) - cu[token_seq]
+    is_decode = q_lens == 1
+    num_decodes = int(is_decode.sum())
+    if num_decodes == 0 or num_decodes == num_seqs or max_seqlen_q == 1:
+        return plan(prefill=_plan_prefill(block_tables, seq_lens, q_lens, token_seq, token_row,
+                                          max_seqlen_q, max_seqlen_k, num_blocks, block_size))
+    # Mixed batch. The data-dependent maxima cost a sync, which only matters to the CUDA
+    # callers of this path (tests), not to the CPU path.
+    dec_seqs = is_decode.nonzero().squeeze(1)
+    dec_max_k = int(seq_lens[dec_seqs].max())
+    decode = _plan_decode(block_tables[dec_seqs], seq_lens[dec_seqs], dec_max_k, num_blocks,
+                          block_size)
+    pre_seqs = (~is_decode).nonzero().squeeze(1)
+    pre_tokens = (~is_decode[token_seq]).nonzero().squeeze(1)
+    local_seq = torch.cumsum(~is_decode, 0) - 1  # batch index -> index among the rest
+    pre_max_k = int(seq_lens[pre_seqs].max())
+    prefill = _plan_prefill(block_tables[pre_seqs], seq_lens[pre_seqs], q_lens[pre_seqs],
+                            local_seq[token_seq[pre_tokens]], token_row[pre_tokens],
+                            max_seqlen_q, pre_max_k, num_blocks, block_size)
+    return plan(decode, prefill, cu[dec_seqs], pre_tokens)
+
+
 def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-            max_seqlen_k: int) -> torch.Tensor:
+            plan: _DecodePlan, scale: float) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    k = _gather_kv(key_cache, block_tables, max_seqlen_k, 0).transpose(1, 2)
-    v = _gather_kv(value_cache, block_tables, max_seqlen_k, 1).transpose(1, 2)
+    k = _gather_kv(key_cache, plan.block_ids, num_seqs, plan.max_seqlen_k, 0).transpose(1, 2)
+    v = _gather_kv(value_cache, plan.block_ids, num_seqs, plan.max_seqlen_k, 1).transpose(1, 2)
     # The query heads of one KV group become rows of one head: [S, kv_heads, group, D]
     # against [S, kv_heads, L, D] needs no GQA expansion and the key-padding mask
     # broadcasts over the rows.
     q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if num_seqs == 1 and seq_lens.device.type == "cpu" and int(seq_lens[0]) == max_seqlen_k:
-        mask = None
-    else:
-        positions = torch.arange(max_seqlen_k, device=query.device)
-        mask = (positions < seq_lens[:, None]).view(num_seqs, 1, 1, max_seqlen_k)
-    out = _sdpa(q, k, v, mask, scale)
+    out = _sdpa(q, k, v, plan.mask, scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
-             token_seq: torch.Tensor, token_row: torch.Tensor, scale: float,
-             max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
-    """Padded attention for ragged query rows.
-
-    ``query[t]`` is row ``token_row[t]`` of sequence ``token_seq[t]`` (indices into
-    ``seq_lens``, ``q_lens`` and ``block_tables``).
-    """
+             plan: _PrefillPlan, scale: float) -> torch.Tensor:
+    """Padded attention for ragged query rows."""
     num_tokens, num_heads, head_dim = query.shape
-    num_seqs = seq_lens.shape[0]
-    k = _gather_kv(key_cache, block_tables, max_seqlen_k, 0).transpose(1, 2)
-    v = _gather_kv(value_cache, block_tables, max_seqlen_k, 1).transpose(1, 2)
-    if num_seqs == 1 and num_tokens == max_seqlen_k and int(seq_lens[0]) == num_tokens:
-        # A cold prompt alone: plain causal attention, which SDPA does without a mask.
+    k = _gather_kv(key_cache, plan.block_ids, plan.num_seqs, plan.max_seqlen_k, 0).transpose(1, 2)
+    v = _gather_kv(value_cache, plan.block_ids, plan.num_seqs, plan.max_seqlen_k,
+                   1).transpose(1, 2)
+    if plan.mask is None:
         out = _sdpa(query.unsqueeze(0).transpose(1, 2), k, v, None, scale, is_causal=True)
         return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
-    q = query.new_zeros(num_seqs, max_seqlen_q, num_heads, head_dim)
-    q[token_seq, token_row] = query
-    # Row j of sequence i sits at position seq_len - q_len + j and sees keys 0..position.
-    # Padding rows (j >= q_len) see at least key 0, so no row of the softmax is empty.
-    q_positions = ((seq_lens - q_lens)[:, None]
-                   + torch.arange(max_seqlen_q, device=query.device))
-    k_positions = torch.arange(max_seqlen_k, device=query.device)
-    mask = (k_positions <= q_positions[:, :, None]).unsqueeze(1)
-    out = _sdpa(q.transpose(1, 2), k, v, mask, scale)
-    return out.transpose(1, 2)[token_seq, token_row]
+    q = query.new_zeros(plan.num_seqs, plan.max_seqlen_q, num_heads, head_dim)
+    q[plan.token_seq, plan.token_row] = query
+    out = _sdpa(q.transpose(1, 2), k, v, plan.mask, scale)
+    return out.transpose(1, 2)[plan.token_seq, plan.token_row]
+
+
+def _run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+         plan: AttentionPlan, scale: float) -> torch.Tensor:
+    if plan.prefill is None:
+        return _decode(query, key_cache, value_cache, plan.decode, scale)
+    if plan.decode is None:
+        return _prefill(query, key_cache, value_cache, plan.prefill, scale)
+    out = torch.empty_like(query)
+    out[plan.decode_tokens] = _decode(query[plan.decode_tokens], key_cache, value_cache,
+                                      plan.decode, scale)
+    out[plan.prefill_tokens] = _prefill(query[plan.prefill_tokens], key_cache, value_cache,
+                                        plan.prefill, scale)
+    return out
 
 
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
@@ -193,7 +340,9 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
         ValueError: on mismatched shapes, dtypes or devices.
     """
     check_attention(query, key_cache, value_cache, block_tables, seq_lens, max_seqlen_k)
-    return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seqlen_k)
+    num_blocks, block_size = key_cache.shape[:2]
+    plan = _plan_decode(block_tables, seq_lens, max_seqlen_k, num_blocks, block_size)
+    return _decode(query, key_cache, value_cache, plan, scale)
 
 
 def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor,
@@ -212,45 +361,10 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor,
     """
     check_attention(query, key_cache, value_cache, block_tables, seq_lens, max_seqlen_k,
                     cu_seqlens_q, max_seqlen_q)
-    return _ragged(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                   max_seqlen_q, max_seqlen_k)
-
-
-def _ragged(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
-    num_tokens = query.shape[0]
-    num_seqs = seq_lens.shape[0]
-    device = query.device
-    cu = cu_seqlens_q.long()
-    q_lens = cu[1:] - cu[:-1]
-    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
-                                        output_size=num_tokens)
-    token_row = torch.arange(num_tokens, device=device) - cu[token_seq]
-    is_decode = q_lens == 1
-    num_decodes = int(is_decode.sum())
-    if num_decodes == 0 or num_decodes == num_seqs or max_seqlen_q == 1:
-        return _prefill(query, key_cache, value_cache, block_tables, seq_lens, q_lens,
-                        token_seq, token_row, scale, max_seqlen_q, max_seqlen_k)
-
-    # Mixed batch: the decodes go through the decode path, the rest is padded only to the
-    # longest of the rest. The data-dependent maxima cost a sync, which only matters to the
-    # CUDA callers of this function (tests), not to the CPU path.
-    out = torch.empty_like(query)
-    dec_seqs = is_decode.nonzero().squeeze(1)
-    dec_tokens = cu[dec_seqs]
-    dec_max_k = int(seq_lens[dec_seqs].max())
-    out[dec_tokens] = _decode(query[dec_tokens], key_cache, value_cache,
-                              block_tables[dec_seqs], seq_lens[dec_seqs], scale, dec_max_k)
-    pre_seqs = (~is_decode).nonzero().squeeze(1)
-    pre_tokens = (~is_decode[token_seq]).nonzero().squeeze(1)
-    local_seq = torch.cumsum(~is_decode, 0) - 1  # batch index -> index among the rest
-    pre_max_k = int(seq_lens[pre_seqs].max())
-    out[pre_tokens] = _prefill(query[pre_tokens], key_cache, value_cache,
-                               block_tables[pre_seqs], seq_lens[pre_seqs], q_lens[pre_seqs],
-                               local_seq[token_seq[pre_tokens]], token_row[pre_tokens], scale,
-                               max_seqlen_q, pre_max_k)
-    return out
+    num_blocks, block_size = key_cache.shape[:2]
+    plan = _plan(block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k,
+                 query.shape[0], num_blocks, block_size, force_prefill=True)
+    return _run(query, key_cache, value_cache, plan, scale)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -266,8 +380,73 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     check_attention(query, key_cache, value_cache, block_tables, seq_lens, max_seqlen_k,
                     cu_seqlens_q, max_seqlen_q)
-    if max_seqlen_q == 1 and query.shape[0] == seq_lens.shape[0]:
-        return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                       max_seqlen_k)
-    return _ragged(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                   max_seqlen_q, max_seqlen_k)
+    num_blocks, block_size = key_cache.shape[:2]
+    plan = _plan(block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k,
+                 query.shape[0], num_blocks, block_size)
+    return _run(query, key_cache, value_cache, plan, scale)
+
+
+def plan_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, num_blocks: int, block_size: int) -> AttentionPlan:
+    """Validate one step's metadata and do its index math once for every layer.
+
+    Arguments as in ``paged_attention`` and ``reshape_and_cache`` (the new tokens'
+    ``slot_mapping``), plus the cache geometry. ``slot_mapping`` entries are checked
+    against the cache here, so the per-layer calls do not re-check them.
+
+    Raises:
+        ValueError: on mismatched shapes, dtypes or devices of the metadata.
+        IndexError: for a slot past the end of the cache.
+    """
+    check_metadata(block_tables, seq_lens, max_seqlen_k, block_size, cu_seqlens_q,
+                   max_seqlen_q, num_tokens=slot_mapping.shape[0])
+    check_index("slot_mapping", slot_mapping, 1)
+    slots, written = _valid_slots(slot_mapping.long(), num_blocks * block_size)
+    return _plan(block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k,
+                 slot_mapping.shape[0], num_blocks, block_size, slots=slots,
+                 written_tokens=written)
+
+
+def _check_plan(plan: AttentionPlan, query_or_key: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor) -> None:
+    """The cheap per-layer checks left once a plan exists: shapes against the plan."""
+    if (query_or_key.shape[0] != plan.num_tokens
+            or tuple(key_cache.shape[:2]) != (plan.num_blocks, plan.block_size)
+            or value_cache.shape != key_cache.shape or query_or_key.dtype != key_cache.dtype
+            or value_cache.dtype != key_cache.dtype):
+        raise ValueError(
+            f"tensors do not match the plan: {query_or_key.shape[0]} tokens of "
+            f"{query_or_key.dtype} for a plan of {plan.num_tokens}; caches "
+            f"{list(key_cache.shape)} {key_cache.dtype} / {list(value_cache.shape)} "
+            f"{value_cache.dtype} for {plan.num_blocks} blocks of {plan.block_size}")
+
+
+def paged_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, plan: AttentionPlan,
+                            scale: float) -> torch.Tensor:
+    """``paged_attention`` with the step's metadata already planned by ``plan_attention``.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Raises:
+        ValueError: if the tensors do not match the plan.
+    """
+    _check_plan(plan, query, key_cache, value_cache)
+    return _run(query, key_cache, value_cache, plan, scale)
+
+
+def reshape_and_cache_planned(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, plan: AttentionPlan) -> None:
+    """``reshape_and_cache`` with the slots validated once per step by ``plan_attention``.
+
+    Raises:
+        ValueError: if the tensors do not match the plan, or the cache is not contiguous.
+    """
+    _check_plan(plan, key, key_cache, value_cache)
+    if plan.slots is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("reshape_and_cache_planned needs a plan with slot_mapping and "
+                         "contiguous caches")
+    _write_slots(key, value, key_cache, value_cache, plan.slots, plan.written_tokens)

@@ -238,6 +238,10 @@ class LlamaForCausalLM:
         arch = self.arch
         num_tokens = input_ids.shape[0]
         num_qk_heads = arch.num_heads + arch.num_kv_heads
+        # The step's index math (gather indices, masks, slot checks) once for all layers.
+        plan = triton_kernels.plan_attention(attn.slot_mapping, attn.block_tables,
+                                             attn.cu_seqlens_q, attn.seq_lens,
+                                             attn.max_seqlen_q, attn.max_seqlen_k, kv_cache[0, 0])
         cos = self.rotary.cos[positions].unsqueeze(1)
         sin = self.rotary.sin[positions].unsqueeze(1)
         if self.tp_size > 1:
@@ -256,10 +260,11 @@ class LlamaForCausalLM:
             v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, arch.num_kv_heads,
                                                             arch.head_dim)
             key_cache, value_cache = kv_cache[i, 0], kv_cache[i, 1]
-            triton_kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+            triton_kernels.reshape_and_cache(k, v, key_cache, value_cache, attn.slot_mapping,
+                                             plan=plan)
             o = triton_kernels.paged_attention(
                 q, key_cache, value_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens,
-                self.scale, attn.max_seqlen_q, attn.max_seqlen_k)
+                self.scale, attn.max_seqlen_q, attn.max_seqlen_k, plan=plan)
             o = F.linear(o.reshape(num_tokens, self.q_size), layer["o_proj"])
             if self.tp_size > 1:
                 tp.all_reduce(o)  # row-parallel o_proj: sum the ranks' partial outputs
