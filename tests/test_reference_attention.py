@@ -299,7 +299,8 @@ def _plan(batch, slot_mapping=None):
 def test_planned_attention_equals_unplanned_and_serves_every_layer(scenario, num_heads,
                                                                   num_kv_heads):
     # One plan, several "layers" with different caches and queries: each planned call must
-    # equal the self-planning call bit for bit (same ops), and the naive oracle.
+    # equal the self-planning call (bit for bit on the torch path; the C++ decode kernel
+    # of cpu_ops, when built, sums in another order) and the naive oracle.
     q_lens, seq_lens = SCENARIOS[scenario](16)
     batches = [make_batch(q_lens, seq_lens, num_heads, num_kv_heads, 16, seed=s)
                for s in range(3)]
@@ -308,7 +309,10 @@ def test_planned_attention_equals_unplanned_and_serves_every_layer(scenario, num
     plan = _plan(batches[0])
     for b in batches:
         planned = triton_kernels.paged_attention(**b, plan=plan)
-        torch.testing.assert_close(planned, run_reference(b), atol=0, rtol=0)
+        torch.testing.assert_close(planned, run_reference(b), atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(reference.paged_attention_planned(
+            b["query"], b["key_cache"], b["value_cache"], plan, b["scale"]), run_reference(b),
+            atol=0, rtol=0)
         assert_close_to_naive(b, planned)
 
 

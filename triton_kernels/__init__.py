@@ -35,11 +35,13 @@ from . import reference
 
 __all__ = [
     "AttentionPlan",
+    "fused_add_rms_norm",
     "paged_attention",
     "paged_attention_decode",
     "paged_attention_prefill",
     "plan_attention",
     "reshape_and_cache",
+    "silu_and_mul",
 ]
 
 AttentionPlan = reference.AttentionPlan
@@ -136,7 +138,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         ValueError: on mismatched shapes, dtypes, devices or (CUDA) strides.
     """
     if plan is not None and not query.is_cuda:
-        return reference.paged_attention_planned(query, key_cache, value_cache, plan, scale)
+        from . import cpu_ops
+
+        return cpu_ops.paged_attention_planned(query, key_cache, value_cache, plan, scale)
     if not query.is_cuda:
         return reference.paged_attention(query, key_cache, value_cache, block_tables,
                                          cu_seqlens_q, seq_lens, scale, max_seqlen_q,
@@ -180,6 +184,34 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor,
         impl = reference.paged_attention_prefill
     return impl(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                 max_seqlen_q, max_seqlen_k)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> None:
+    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight`` (vLLM's fused
+    residual add + RMSNorm; RMSNorm, Zhang & Sennrich 2019, normalised in fp32 as HF's
+    ``LlamaRMSNorm``). One C++ pass on CPU (``cpu_ops``), torch ops elsewhere.
+
+    Args:
+        x, residual: ``[num_tokens, hidden]``, same dtype; both are overwritten.
+        weight: ``[hidden]``.
+    """
+    if x.is_cuda:
+        reference.fused_add_rms_norm(x, residual, weight, eps)
+        return
+    from . import cpu_ops
+
+    cpu_ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate (Shazeer 2020): ``[num_tokens, 2 * d]`` -> ``silu(x[:, :d]) * x[:, d:]``,
+    ``[num_tokens, d]``. One C++ pass on CPU (``cpu_ops``), torch ops elsewhere."""
+    if x.is_cuda:
+        return reference.silu_and_mul(x)
+    from . import cpu_ops
+
+    return cpu_ops.silu_and_mul(x)
 
 
 class _Package(types.ModuleType):

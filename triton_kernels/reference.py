@@ -161,7 +161,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 @dataclass(frozen=True)
 class _DecodePlan:
-    block_ids: torch.Tensor  # [num_seqs * blocks_per_seq], clamped
+    block_table: torch.Tensor  # [num_seqs, blocks_per_seq] int32, contiguous, clamped
+    block_ids: torch.Tensor  # the same, flattened
+    seq_lens: torch.Tensor  # [num_seqs] int32, contiguous
     num_seqs: int
     max_seqlen_k: int
     mask: torch.Tensor | None  # [num_seqs, 1, 1, max_seqlen_k] bool; None: nothing masked
@@ -207,8 +209,10 @@ def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_
     else:
         positions = torch.arange(max_seqlen_k, device=seq_lens.device)
         mask = (positions < seq_lens[:, None]).view(num_seqs, 1, 1, max_seqlen_k)
-    return _DecodePlan(_gather_ids(block_tables, max_seqlen_k, num_blocks, block_size),
-                       num_seqs, max_seqlen_k, mask)
+    block_ids = _gather_ids(block_tables, max_seqlen_k, num_blocks, block_size)
+    block_table = block_ids.view(num_seqs, -1).to(torch.int32)
+    return _DecodePlan(block_table, block_ids, seq_lens.to(torch.int32).contiguous(), num_seqs,
+                       max_seqlen_k, mask)
 
 
 def _plan_prefill(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
@@ -306,14 +310,16 @@ def _prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 
 
 def _run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-         plan: AttentionPlan, scale: float) -> torch.Tensor:
+         plan: AttentionPlan, scale: float, decode=None) -> torch.Tensor:
+    """``decode``: the implementation of the decode rows (default ``_decode``)."""
+    decode = decode or _decode
     if plan.prefill is None:
-        return _decode(query, key_cache, value_cache, plan.decode, scale)
+        return decode(query, key_cache, value_cache, plan.decode, scale)
     if plan.decode is None:
         return _prefill(query, key_cache, value_cache, plan.prefill, scale)
     out = torch.empty_like(query)
-    out[plan.decode_tokens] = _decode(query[plan.decode_tokens], key_cache, value_cache,
-                                      plan.decode, scale)
+    out[plan.decode_tokens] = decode(query[plan.decode_tokens], key_cache, value_cache,
+                                     plan.decode, scale)
     out[plan.prefill_tokens] = _prefill(query[plan.prefill_tokens], key_cache, value_cache,
                                         plan.prefill, scale)
     return out
@@ -450,3 +456,30 @@ def reshape_and_cache_planned(key: torch.Tensor, value: torch.Tensor, key_cache:
         raise ValueError("reshape_and_cache_planned needs a plan with slot_mapping and "
                          "contiguous caches")
     _write_slots(key, value, key_cache, value_cache, plan.slots, plan.written_tokens)
+
+
+# -- the model's element-wise ops (torch forms; cpu_ops has the fused C++ twins) -------------
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> None:
+    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight`` as HF's
+    ``LlamaRMSNorm`` computes it (normalised in fp32, cast back before the weight).
+
+    Args:
+        x, residual: ``[num_tokens, hidden]``, same dtype.
+        weight: ``[hidden]``.
+    """
+    residual.add_(x)
+    if residual.dtype == torch.float32:
+        x.copy_(F.rms_norm(residual, (residual.shape[-1],), weight, eps))
+        return
+    h = residual.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    x.copy_(weight * h.to(residual.dtype))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` ``[..., 2 * d]`` (SwiGLU, Shazeer 2020)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

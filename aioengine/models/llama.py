@@ -245,12 +245,16 @@ class LlamaForCausalLM:
         cos = self.rotary.cos[positions].unsqueeze(1)
         sin = self.rotary.sin[positions].unsqueeze(1)
         if self.tp_size > 1:
-            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_start)
+            residual = vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_start)
         else:
-            hidden = F.embedding(input_ids, self.embed_tokens)
+            residual = F.embedding(input_ids, self.embed_tokens)
+        # ``residual`` is the residual stream; each block's output is added to it and
+        # normalised in one fused pass (vLLM's fused_add_rms_norm), in place.
+        x = rms_norm(residual, self.layers[0]["input_layernorm"], arch.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            residual = hidden
-            x = rms_norm(hidden, layer["input_layernorm"], arch.rms_norm_eps)
+            if i > 0:
+                triton_kernels.fused_add_rms_norm(x, residual, layer["input_layernorm"],
+                                                  arch.rms_norm_eps)
             qkv = F.linear(x, layer["qkv_proj"], layer["qkv_bias"])
             # Q and K heads sit side by side in the fused output: rotate them in one go.
             qk = qkv[:, :self.q_size + self.kv_size].reshape(num_tokens, num_qk_heads,
@@ -268,15 +272,14 @@ class LlamaForCausalLM:
             o = F.linear(o.reshape(num_tokens, self.q_size), layer["o_proj"])
             if self.tp_size > 1:
                 tp.all_reduce(o)  # row-parallel o_proj: sum the ranks' partial outputs
-            hidden = residual + o
-            residual = hidden
-            x = rms_norm(hidden, layer["post_attention_layernorm"], arch.rms_norm_eps)
-            gate, up = F.linear(x, layer["gate_up_proj"]).chunk(2, dim=-1)
-            down = F.linear(F.silu(gate) * up, layer["down_proj"])
+            triton_kernels.fused_add_rms_norm(o, residual, layer["post_attention_layernorm"],
+                                              arch.rms_norm_eps)
+            x = F.linear(triton_kernels.silu_and_mul(F.linear(o, layer["gate_up_proj"])),
+                         layer["down_proj"])
             if self.tp_size > 1:
-                tp.all_reduce(down)  # row-parallel down_proj
-            hidden = residual + down
-        return rms_norm(hidden, self.norm, arch.rms_norm_eps)
+                tp.all_reduce(x)  # row-parallel down_proj
+        triton_kernels.fused_add_rms_norm(x, residual, self.norm, arch.rms_norm_eps)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

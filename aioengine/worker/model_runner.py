@@ -22,6 +22,7 @@ from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, Schedule
 from aioengine.models.llama import AttentionMetadata, LlamaArch, LlamaForCausalLM
 from aioengine.models.loader import load_hf_config, load_weights
 from aioengine.worker.sampler import SamplingBatch, sample
+from triton_kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class ModelRunner:
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.max_model_len = resolve_max_model_len(config, hf_config)
         weights = load_weights(path, hf_config, self.dtype)
+        # Build (first run on a machine) or load the C++ CPU kernels now rather than in
+        # the first request's step; None means the torch path, which is logged.
+        cpu_ops.load()
         self.model = LlamaForCausalLM(self.arch, weights, self.dtype, self.max_model_len + 1)
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()

@@ -1,0 +1,128 @@
+"""The C++ CPU kernels (triton_kernels/csrc/cpu_ops.cpp) against the torch path.
+
+The decode attention kernel reads K/V in place through the block table; it must equal
+the gather + SDPA reference (and the naive loop oracle) over ragged lengths, GQA
+groups, block sizes and shuffled block ids. The fused element-wise ops must equal
+their torch forms, which follow HF's LlamaRMSNorm and SwiGLU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import triton_kernels
+from triton_kernels import cpu_ops, reference
+from test_reference_attention import GQA, SCENARIOS, _plan, assert_close_to_naive, make_batch
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
+                                reason="the C++ CPU kernels did not build here")
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA + [(4, 4)])
+@pytest.mark.parametrize("seq_lens", [[1], [17], [1, 40, 33, 16, 300], [2000]])
+def test_decode_kernel_equals_reference(seq_lens, num_heads, num_kv_heads, block_size):
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, block_size,
+                       head_dim=64)
+    plan = _plan(batch)
+    out = cpu_ops.decode_attention(batch["query"], batch["key_cache"], batch["value_cache"],
+                                   plan.decode, batch["scale"])
+    expected = reference.paged_attention(**batch)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scenario", ["decode_ragged", "mixed", "decode_len_1"])
+def test_planned_dispatcher_uses_the_kernel_and_matches_naive(scenario, monkeypatch):
+    # The model's path (plan=) goes through the C++ kernel for decode rows: count calls.
+    batch = make_batch(*SCENARIOS[scenario](16), 6, 2, 16)
+    calls = []
+    real = cpu_ops.load().paged_attention_decode
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(cpu_ops._module, name)
+
+        def paged_attention_decode(self, *args):
+            calls.append(args[1].shape[0])
+            return real(*args)
+
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    out = triton_kernels.paged_attention(**batch, plan=_plan(batch))
+    assert calls, "the planned CPU path did not use the C++ decode kernel"
+    assert_close_to_naive(batch, out)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+def test_decode_kernel_half_precision(dtype, atol):
+    batch = make_batch([1, 1, 1], [5, 70, 31], 8, 2, 16, dtype=dtype, head_dim=64)
+    out = cpu_ops.decode_attention(batch["query"], batch["key_cache"], batch["value_cache"],
+                                   _plan(batch).decode, batch["scale"])
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference.paged_attention(**batch).float(),
+                               atol=atol, rtol=0)
+
+
+def test_decode_kernel_reads_only_the_sequence_tokens():
+    # NaN in every slot past each sequence's length and in unused blocks: a kernel that
+    # read them would return NaN.
+    batch = make_batch([1, 1], [20, 7], 6, 2, 16, head_dim=64)
+    plan = _plan(batch)
+    clean = cpu_ops.decode_attention(batch["query"], batch["key_cache"],
+                                     batch["value_cache"], plan.decode, batch["scale"])
+    for cache in (batch["key_cache"], batch["value_cache"]):
+        used = torch.zeros(cache.shape[:2], dtype=torch.bool)
+        for i, n in enumerate([20, 7]):
+            for p in range(n):
+                used[int(batch["block_tables"][i, p // 16]), p % 16] = True
+        cache[~used] = float("nan")
+    poisoned = cpu_ops.decode_attention(batch["query"], batch["key_cache"],
+                                        batch["value_cache"], plan.decode, batch["scale"])
+    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0),
+                                        (torch.float16, 0.0)])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_fused_add_rms_norm_equals_torch(rows, dtype, atol):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    x_ref, res_ref = x.clone(), residual.clone()
+    reference.fused_add_rms_norm(x_ref, res_ref, weight, 1e-5)
+    triton_kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
+    # The residual add is one rounding in both; the norm's sum order differs in fp32.
+    torch.testing.assert_close(residual, res_ref, atol=0, rtol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(x, x_ref, atol=atol, rtol=1e-5)
+    else:  # one rounding step of the output dtype at most
+        assert (x.float() - x_ref.float()).abs().max() <= (x_ref.float().abs().max() / 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_equals_torch(dtype):
+    x = (torch.randn(5, 2 * 1536) * 4).to(dtype)
+    expected = reference.silu_and_mul(x)
+    out = triton_kernels.silu_and_mul(x)
+    assert out.shape == (5, 1536) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-5 if dtype ==
+                               torch.float32 else 2e-2, rtol=1e-5 if dtype == torch.float32
+                               else 1e-2)
+
+
+def test_switched_off_by_environment_uses_torch_path():
+    code = ("import torch, triton_kernels; from triton_kernels import cpu_ops; "
+            "assert cpu_ops.load() is None; "
+            "x = torch.randn(2, 8); r = torch.randn(2, 8); "
+            "triton_kernels.fused_add_rms_norm(x, r, torch.ones(8), 1e-6); "
+            "print(triton_kernels.silu_and_mul(torch.randn(2, 8)).shape)")
+    env = {**os.environ, "AIOENGINE_CPU_KERNELS": "0"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "torch.Size([2, 4])" in result.stdout

@@ -1,0 +1,130 @@
+"""The C++ CPU kernels of ``csrc/cpu_ops.cpp``, built on first use.
+
+``torch.utils.cpp_extension.load`` compiles the file with ``-O3 -march=native``
+(about a minute on two cores, once per machine and source version; the build is
+cached under torch's extensions directory, keyed by the CPU's instruction-set
+flags so a shared home directory never serves one CPU another's build). Set
+``AIOENGINE_CPU_KERNELS=0`` to use the torch implementations instead.
+
+``load()`` returns the module, or None when the kernels are switched off or the
+build fails (no compiler, say); the reason is logged once and callers fall back
+to the torch path of ``reference.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def enabled() -> bool:
+    """False when ``AIOENGINE_CPU_KERNELS`` is set to 0, false, no or off."""
+    return os.environ.get("AIOENGINE_CPU_KERNELS", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
+def _cpu_tag() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def load():
+    """The compiled extension module, or None (switched off, or the build failed)."""
+    global _module, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        if enabled():
+            try:
+                from torch.utils.cpp_extension import load as load_extension
+
+                logger.info("loading aioengine CPU kernels (the first build takes about a "
+                            "minute)")
+                _module = load_extension(
+                    name=f"aioengine_cpu_ops_{_cpu_tag()}", sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-lmvec"], verbose=False)
+            except Exception as exc:  # no compiler, no ninja, a build error: fall back
+                logger.warning("aioengine CPU kernels unavailable, using the torch path: %s",
+                               str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
+                _module = None
+        _tried = True
+        return _module
+
+
+# -- the CPU fast path -----------------------------------------------------------------------
+# Used by the package's dispatchers for CPU tensors; each falls back to the torch
+# implementation when the extension is unavailable or the layout does not fit.
+
+import torch  # noqa: E402
+
+from . import reference  # noqa: E402
+
+
+def _unit_stride(*tensors: torch.Tensor) -> bool:
+    return all(t.stride(-1) == 1 for t in tensors)
+
+
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     plan: reference._DecodePlan, scale: float) -> torch.Tensor:
+    """Decode rows over the paged cache, read in place (no gather), in C++; the SDPA path of
+    ``reference`` when the kernels are unavailable."""
+    ops = load()
+    if ops is None or not _unit_stride(query, key_cache, value_cache):
+        return reference._decode(query, key_cache, value_cache, plan, scale)
+    out = torch.empty_like(query)
+    ops.paged_attention_decode(out, query, key_cache, value_cache, plan.block_table,
+                               plan.seq_lens, scale)
+    return out
+
+
+def paged_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, plan: reference.AttentionPlan,
+                            scale: float) -> torch.Tensor:
+    """``reference.paged_attention_planned`` with the decode rows through the C++ kernel
+    (prefill rows are compute-bound and stay on SDPA)."""
+    reference._check_plan(plan, query, key_cache, value_cache)
+    return reference._run(query, key_cache, value_cache, plan, scale, decode=decode_attention)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> None:
+    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight``."""
+    ops = load()
+    if (ops is None or x.dim() != 2 or not (x.is_contiguous() and residual.is_contiguous()
+                                            and weight.is_contiguous())):
+        reference.fused_add_rms_norm(x, residual, weight, eps)
+        return
+    ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[num_tokens, 2 * d]``."""
+    ops = load()
+    if ops is None or x.dim() != 2 or not x.is_contiguous():
+        return reference.silu_and_mul(x)
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    ops.silu_and_mul(out, x)
+    return out
+
+
+if __name__ == "__main__":  # python -m triton_kernels.cpu_ops: build now and say so
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = load()
+    print(f"aioengine CPU kernels: {'ready, ' + module.__file__ if module else 'unavailable'}")
