@@ -305,7 +305,8 @@ def test_planned_attention_equals_unplanned_and_serves_every_layer(scenario, num
     batches = [make_batch(q_lens, seq_lens, num_heads, num_kv_heads, 16, seed=s)
                for s in range(3)]
     for b in batches[1:]:  # a step's layers share the metadata, not the contents
-        b["block_tables"], b["cu_seqlens_q"] = batches[0]["block_tables"], batches[0]["cu_seqlens_q"]
+        b["block_tables"] = batches[0]["block_tables"]
+        b["cu_seqlens_q"] = batches[0]["cu_seqlens_q"]
     plan = _plan(batches[0])
     for b in batches:
         planned = triton_kernels.paged_attention(**b, plan=plan)

@@ -19,6 +19,10 @@ import os
 import threading
 from pathlib import Path
 
+import torch
+
+from . import reference
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
@@ -71,10 +75,6 @@ def load():
 # -- the CPU fast path -----------------------------------------------------------------------
 # Used by the package's dispatchers for CPU tensors; each falls back to the torch
 # implementation when the extension is unavailable or the layout does not fit.
-
-import torch  # noqa: E402
-
-from . import reference  # noqa: E402
 
 
 def _unit_stride(*tensors: torch.Tensor) -> bool:
