@@ -1,7 +1,7 @@
 """The C++ CPU kernels of ``csrc/cpu_ops.cpp``, built on first use.
 
 ``torch.utils.cpp_extension.load`` compiles the file with ``-O3 -march=native``
-(about a minute on two cores, once per machine and source version; the build is
+(about 30 s on two cores, once per machine and source version; the build is
 cached under torch's extensions directory, keyed by the CPU's instruction-set
 flags so a shared home directory never serves one CPU another's build). Set
 ``AIOENGINE_CPU_KERNELS=0`` to use the torch implementations instead.
@@ -58,12 +58,13 @@ def load():
             try:
                 from torch.utils.cpp_extension import load as load_extension
 
-                logger.info("loading aioengine CPU kernels (the first build takes about a "
-                            "minute)")
+                logger.info("loading the C++ CPU kernels (the first build on a machine takes "
+                            "about 30 s)")
                 _module = load_extension(
                     name=f"aioengine_cpu_ops_{_cpu_tag()}", sources=[str(_SOURCE)],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-lmvec"], verbose=False)
+                logger.info("C++ CPU kernels in use: %s", _module.__file__)
             except Exception as exc:  # no compiler, no ninja, a build error: fall back
                 logger.warning("aioengine CPU kernels unavailable, using the torch path: %s",
                                str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
