@@ -342,6 +342,11 @@ def test_plan_checks_slots_and_metadata_once():
         _plan({**batch, "cu_seqlens_q": batch["cu_seqlens_q"][:-1]}, slots)
     with pytest.raises(ValueError, match="max_seqlen_k"):
         _plan({**batch, "max_seqlen_k": 10**6}, slots)
+    # seq_lens beyond max_seqlen_k (or below 1) would send the C++ kernel past the block
+    # table's row: refused once per step.
+    for bad in (torch.tensor([21, 6], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="seq_lens must be in"):
+            _plan({**batch, "seq_lens": bad}, slots)
 
 
 def test_planned_calls_reject_tensors_of_another_step():

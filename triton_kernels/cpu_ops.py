@@ -2,9 +2,11 @@
 
 ``torch.utils.cpp_extension.load`` compiles the file with ``-O3 -march=native``
 (about 30 s on two cores, once per machine and source version; the build is
-cached under torch's extensions directory, keyed by the CPU's instruction-set
-flags so a shared home directory never serves one CPU another's build). Set
-``AIOENGINE_CPU_KERNELS=0`` to use the torch implementations instead.
+cached under torch's extensions directory, keyed by the source and the CPU's
+instruction-set flags, so checkouts of one version share a build and a shared
+home directory never serves one CPU another's). The fast path covers fp32
+tensors; bf16/fp16 keep the torch path. Set ``AIOENGINE_CPU_KERNELS=0`` to use
+the torch implementations throughout.
 
 ``load()`` returns the module, or None when the kernels are switched off or the
 build fails (no compiler, say); the reason is logged once and callers fall back
@@ -13,9 +15,11 @@ to the torch path of ``reference.py``.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 
@@ -37,13 +41,52 @@ def enabled() -> bool:
         "0", "false", "no", "off")
 
 
-def _cpu_tag() -> str:
+def _build_key() -> str:
+    """Hash of the source and the CPU: one build per (kernel source, instruction set), shared
+    by every checkout of the same source (``-march=native`` makes a build CPU-specific)."""
+    cpu = platform.machine()
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+        with open("/proc/cpuinfo") as f:  # x86: "flags"; arm64: "Features"
+            cpu += "".join(sorted({line for line in f if line.startswith(("flags", "Features"))}))
     except OSError:
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+        pass
+    return hashlib.sha256(_SOURCE.read_bytes() + cpu.encode()).hexdigest()[:12]
+
+
+def _build_root() -> Path:
+    """torch's extensions directory (``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "torch_extensions"
+
+
+def _build():
+    from torch.utils.cpp_extension import load as load_extension
+
+    name = f"aioengine_cpu_ops_{_build_key()}"
+    build_dir = _build_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # Build from a copy inside the build directory, so every checkout of the same source
+    # passes the same path and finds the build up to date.
+    source = build_dir / _SOURCE.name
+    if not source.exists() or source.read_bytes() != _SOURCE.read_bytes():
+        tmp = build_dir / f".{_SOURCE.name}.{os.getpid()}"
+        tmp.write_bytes(_SOURCE.read_bytes())
+        os.replace(tmp, source)
+    # torch guards a build with a ``lock`` file that a killed builder leaves behind, and
+    # its waiters then wait forever. An flock, which the kernel drops when its holder
+    # dies, serialises our builders instead; whoever holds it may clear such a lock.
+    with open(build_dir / "aioengine.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        return load_extension(name=name, sources=[str(source)], build_directory=str(build_dir),
+                              extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                              extra_ldflags=["-lmvec"], verbose=False)
 
 
 def load():
@@ -56,14 +99,9 @@ def load():
             return _module
         if enabled():
             try:
-                from torch.utils.cpp_extension import load as load_extension
-
                 logger.info("loading the C++ CPU kernels (the first build on a machine takes "
                             "about 30 s)")
-                _module = load_extension(
-                    name=f"aioengine_cpu_ops_{_cpu_tag()}", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-lmvec"], verbose=False)
+                _module = _build()
                 logger.info("C++ CPU kernels in use: %s", _module.__file__)
             except Exception as exc:  # no compiler, no ninja, a build error: fall back
                 logger.warning("aioengine CPU kernels unavailable, using the torch path: %s",
@@ -78,6 +116,13 @@ def load():
 # implementation when the extension is unavailable or the layout does not fit.
 
 
+def _ops_for(dtype: torch.dtype):
+    """The extension for fp32 tensors. Its bf16/fp16 instantiations convert element by
+    element and measured slower than torch's vectorised ops, so half dtypes keep the
+    torch path."""
+    return load() if dtype == torch.float32 else None
+
+
 def _unit_stride(*tensors: torch.Tensor) -> bool:
     return all(t.stride(-1) == 1 for t in tensors)
 
@@ -86,7 +131,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      plan: reference._DecodePlan, scale: float) -> torch.Tensor:
     """Decode rows over the paged cache, read in place (no gather), in C++; the SDPA path of
     ``reference`` when the kernels are unavailable."""
-    ops = load()
+    ops = _ops_for(query.dtype)
     if ops is None or not _unit_stride(query, key_cache, value_cache):
         return reference._decode(query, key_cache, value_cache, plan, scale)
     out = torch.empty_like(query)
@@ -107,7 +152,7 @@ def paged_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> None:
     """In place: ``residual += x``, then ``x = rms_norm(residual) * weight``."""
-    ops = load()
+    ops = _ops_for(x.dtype)
     if (ops is None or x.dim() != 2 or not (x.is_contiguous() and residual.is_contiguous()
                                             and weight.is_contiguous())):
         reference.fused_add_rms_norm(x, residual, weight, eps)
@@ -117,7 +162,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[num_tokens, 2 * d]``."""
-    ops = load()
+    ops = _ops_for(x.dtype)
     if ops is None or x.dim() != 2 or not x.is_contiguous():
         return reference.silu_and_mul(x)
     out = x.new_empty(x.shape[0], x.shape[1] // 2)

@@ -402,12 +402,19 @@ def plan_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     against the cache here, so the per-layer calls do not re-check them.
 
     Raises:
-        ValueError: on mismatched shapes, dtypes or devices of the metadata.
+        ValueError: on mismatched shapes, dtypes or devices of the metadata, or a
+            ``seq_lens`` entry outside ``[1, max_seqlen_k]``.
         IndexError: for a slot past the end of the cache.
     """
     check_metadata(block_tables, seq_lens, max_seqlen_k, block_size, cu_seqlens_q,
                    max_seqlen_q, num_tokens=slot_mapping.shape[0])
     check_index("slot_mapping", slot_mapping, 1)
+    if seq_lens.numel():
+        # The C++ decode kernel walks each row's seq_len tokens of the block table.
+        lo, hi = (int(x) for x in torch.aminmax(seq_lens))
+        if lo < 1 or hi > max_seqlen_k:
+            raise ValueError(f"seq_lens must be in [1, max_seqlen_k={max_seqlen_k}], "
+                             f"got {lo}..{hi}")
     slots, written = _valid_slots(slot_mapping.long(), num_blocks * block_size)
     return _plan(block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k,
                  slot_mapping.shape[0], num_blocks, block_size, slots=slots,
