@@ -145,8 +145,8 @@ def paged_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
                             scale: float) -> torch.Tensor:
     """``reference.paged_attention_planned`` with the decode rows through the C++ kernel
     (prefill rows are compute-bound and stay on SDPA)."""
-    reference._check_plan(plan, query, key_cache, value_cache)
-    return reference._run(query, key_cache, value_cache, plan, scale, decode=decode_attention)
+    return reference.paged_attention_planned(query, key_cache, value_cache, plan, scale,
+                                             decode=decode_attention)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -162,7 +162,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 @dataclass(frozen=True)
 class _DecodePlan:
     block_table: torch.Tensor  # [num_seqs, blocks_per_seq] int32, contiguous, clamped
-    block_ids: torch.Tensor  # the same, flattened
     seq_lens: torch.Tensor  # [num_seqs] int32, contiguous
     num_seqs: int
     max_seqlen_k: int
@@ -211,7 +210,7 @@ def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_
         mask = (positions < seq_lens[:, None]).view(num_seqs, 1, 1, max_seqlen_k)
     block_ids = _gather_ids(block_tables, max_seqlen_k, num_blocks, block_size)
     block_table = block_ids.view(num_seqs, -1).to(torch.int32)
-    return _DecodePlan(block_table, block_ids, seq_lens.to(torch.int32).contiguous(), num_seqs,
+    return _DecodePlan(block_table, seq_lens.to(torch.int32).contiguous(), num_seqs,
                        max_seqlen_k, mask)
 
 
@@ -283,8 +282,9 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
             plan: _DecodePlan, scale: float) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    k = _gather_kv(key_cache, plan.block_ids, num_seqs, plan.max_seqlen_k, 0).transpose(1, 2)
-    v = _gather_kv(value_cache, plan.block_ids, num_seqs, plan.max_seqlen_k, 1).transpose(1, 2)
+    block_ids = plan.block_table.view(-1)
+    k = _gather_kv(key_cache, block_ids, num_seqs, plan.max_seqlen_k, 0).transpose(1, 2)
+    v = _gather_kv(value_cache, block_ids, num_seqs, plan.max_seqlen_k, 1).transpose(1, 2)
     # The query heads of one KV group become rows of one head: [S, kv_heads, group, D]
     # against [S, kv_heads, L, D] needs no GQA expansion and the key-padding mask
     # broadcasts over the rows.
@@ -436,19 +436,21 @@ def _check_plan(plan: AttentionPlan, query_or_key: torch.Tensor, key_cache: torc
 
 
 def paged_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
-                            value_cache: torch.Tensor, plan: AttentionPlan,
-                            scale: float) -> torch.Tensor:
+                            value_cache: torch.Tensor, plan: AttentionPlan, scale: float,
+                            decode=None) -> torch.Tensor:
     """``paged_attention`` with the step's metadata already planned by ``plan_attention``.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        decode: the implementation of the decode rows (``cpu_ops`` passes its C++
+            kernel); default the gather + SDPA path here.
 
     Raises:
         ValueError: if the tensors do not match the plan.
     """
     _check_plan(plan, query, key_cache, value_cache)
-    return _run(query, key_cache, value_cache, plan, scale)
+    return _run(query, key_cache, value_cache, plan, scale, decode=decode)
 
 
 def reshape_and_cache_planned(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
