@@ -180,3 +180,18 @@ def test_scheduler_script_against_the_test_server(server, tmp_path: Path) -> Non
     assert set(mode["itl_before_long_prompts"]) == LATENCY_KEYS
     assert mode["long_prompts_sent"] >= 1
     assert (tmp_path / "scheduler_itl_chunked_prefill.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_cpu_decode_script_writes_both_paths(tmp_path: Path) -> None:
+    from triton_kernels import cpu_ops
+
+    if cpu_ops.load() is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    run_script("cpu_decode.py", "--rows", "1,3", "--repeats", "2", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "cpu_decode.json").read_text())
+    assert [r["rows"] for r in report["matmuls"]] == [1, 3]
+    assert all(r["mkl_ms"] > 0 and r["skinny_ms"] > 0 for r in report["matmuls"])
+    assert report["step"]["fused_ms"] > 0 and report["step"]["python_ms"] > 0
+    assert set(report["cold_op_us"]) == {"after_mul", "after_matmul"}
+    assert (tmp_path / "cpu_decode.png").stat().st_size > 0

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import triton_kernels
+from triton_kernels import cpu_ops
 from aioengine.distributed import parallel_state as tp
 from aioengine.distributed.tensor_parallel import shard_llama_weights, vocab_parallel_embedding
 
@@ -213,6 +214,17 @@ class LlamaForCausalLM:
             self.lm_head = take("lm_head.weight")
         self.rotary = RotaryEmbedding(arch.inv_freq, max(max_model_len, 1), arch.attention_scaling,
                                       dtype)
+        # Decode steps on CPU in fp32 run the layer stack in one C++ call (see
+        # cpu_ops.LlamaDecodeLayers); tensor parallelism keeps the Python forward, which
+        # has the all-reduces.
+        self.decode_layers = None
+        if self.tp_size == 1 and self.embed_tokens.device.type == "cpu":
+            fused = cpu_ops.LlamaDecodeLayers(
+                [(layer["input_layernorm"], layer["post_attention_layernorm"], layer["qkv_proj"],
+                  layer["qkv_bias"], layer["o_proj"], layer["gate_up_proj"], layer["down_proj"])
+                 for layer in self.layers],
+                self.norm, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps)
+            self.decode_layers = fused if fused.available else None
 
     def parameter_bytes(self) -> int:
         tensors = [self.embed_tokens, self.norm] + [t for layer in self.layers
@@ -242,12 +254,16 @@ class LlamaForCausalLM:
         plan = triton_kernels.plan_attention(attn.slot_mapping, attn.block_tables,
                                              attn.cu_seqlens_q, attn.seq_lens,
                                              attn.max_seqlen_q, attn.max_seqlen_k, kv_cache[0, 0])
-        cos = self.rotary.cos[positions].unsqueeze(1)
-        sin = self.rotary.sin[positions].unsqueeze(1)
+        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
         if self.tp_size > 1:
             residual = vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_start)
         else:
             residual = F.embedding(input_ids, self.embed_tokens)
+        if self.decode_layers is not None:
+            hidden = self.decode_layers.forward(residual, cos, sin, kv_cache, plan, self.scale)
+            if hidden is not None:
+                return hidden
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         # ``residual`` is the residual stream; each block's output is added to it and
         # normalised in one fused pass (vLLM's fused_add_rms_norm), in place.
         x = rms_norm(residual, self.layers[0]["input_layernorm"], arch.rms_norm_eps)
@@ -288,7 +304,7 @@ class LlamaForCausalLM:
         Under tensor parallelism every rank must call it (each computes its
         vocabulary slice); rank 0 gets the gathered logits, the others None.
         """
-        logits = F.linear(hidden, self.lm_head)
+        logits = cpu_ops.linear(hidden, self.lm_head)  # F.linear off the fp32 CPU path
         if self.tp_size > 1:
             logits = tp.gather_to_first(logits)
             if logits is None:

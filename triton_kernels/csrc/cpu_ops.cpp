@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -96,49 +97,45 @@ inline void axpy<float>(float* y, float alpha, const float* x, int64_t n) {
 }
 #endif
 
+// One layer's decode attention, on raw pointers so both the tensor entry point and
+// the fused decoder below can call it. Strides are in elements; head_dim's is 1.
 template <typename scalar_t>
-void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
-                           const at::Tensor& key_cache, const at::Tensor& value_cache,
-                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           double scale) {
-  const int64_t num_seqs = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t head_dim = query.size(2);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  // Strides in elements; the head_dim stride of the caches is 1 (checked by the caller).
-  const int64_t kb = key_cache.stride(0), kt = key_cache.stride(1), kh = key_cache.stride(2);
-  const int64_t vb = value_cache.stride(0), vt = value_cache.stride(1),
-                vh = value_cache.stride(2);
-  const int64_t qs = query.stride(0), qh = query.stride(1);
-  const int64_t os = out.stride(0), oh = out.stride(1);
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
-  scalar_t* o_ptr = out.data_ptr<scalar_t>();
-  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
-  const int32_t* len_ptr = seq_lens.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+struct DecodeAttention {
+  const scalar_t* q;
+  int64_t qs, qh;  // query [num_seqs, num_heads, head_dim]
+  const scalar_t* k;
+  int64_t kb, kt, kh;  // key cache [num_blocks, block_size, num_kv_heads, head_dim]
+  const scalar_t* v;
+  int64_t vb, vt, vh;
+  scalar_t* out;
+  int64_t os, oh;  // out [num_seqs, num_heads, head_dim]
+  const int32_t* block_tables;  // [num_seqs, max_blocks]
+  int64_t max_blocks;
+  const int32_t* seq_lens;  // [num_seqs]
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+};
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+template <typename scalar_t>
+void decode_attention_run(const DecodeAttention<scalar_t>& a) {
+  const int64_t group = a.num_heads / a.num_kv_heads, head_dim = a.head_dim;
+  at::parallel_for(0, a.num_seqs * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = len_ptr[s];
-      const int32_t* blocks = bt_ptr + s * max_blocks;
+      const int64_t s = task / a.num_kv_heads, h = task % a.num_kv_heads;
+      const int64_t len = a.seq_lens[s];
+      const int32_t* blocks = a.block_tables + s * a.max_blocks;
       scores.resize(group * len);
       for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = q_ptr + s * qs + (h * group + g) * qh;
-        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * fscale;
+        const scalar_t* src = a.q + s * a.qs + (h * group + g) * a.qh;
+        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * a.scale;
       }
       // Pass 1: scores of every query head of the group against each key, read once.
-      for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* kblock = k_ptr + blocks[start / block_size] * kb + h * kh;
-        const int64_t stop = std::min(len, start + block_size);
+      for (int64_t start = 0; start < len; start += a.block_size) {
+        const scalar_t* kblock = a.k + blocks[start / a.block_size] * a.kb + h * a.kh;
+        const int64_t stop = std::min(len, start + a.block_size);
         for (int64_t t = start; t < stop; ++t) {
-          const scalar_t* k = kblock + (t - start) * kt;
+          const scalar_t* k = kblock + (t - start) * a.kt;
           for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(&q[g * head_dim], k, head_dim);
         }
       }
@@ -155,20 +152,52 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
       }
       // Pass 2: the weighted sum of values, each value row read once.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* vblock = v_ptr + blocks[start / block_size] * vb + h * vh;
-        const int64_t stop = std::min(len, start + block_size);
+      for (int64_t start = 0; start < len; start += a.block_size) {
+        const scalar_t* vblock = a.v + blocks[start / a.block_size] * a.vb + h * a.vh;
+        const int64_t stop = std::min(len, start + a.block_size);
         for (int64_t t = start; t < stop; ++t) {
-          const scalar_t* v = vblock + (t - start) * vt;
+          const scalar_t* v = vblock + (t - start) * a.vt;
           for (int64_t g = 0; g < group; ++g) axpy(&acc[g * head_dim], scores[g * len + t], v, head_dim);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = o_ptr + s * os + (h * group + g) * oh;
+        scalar_t* dst = a.out + s * a.os + (h * group + g) * a.oh;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
       }
     }
   });
+}
+
+template <typename scalar_t>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
+                           const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           double scale) {
+  DecodeAttention<scalar_t> a;
+  a.q = query.data_ptr<scalar_t>();
+  a.qs = query.stride(0);
+  a.qh = query.stride(1);
+  a.k = key_cache.data_ptr<scalar_t>();
+  a.kb = key_cache.stride(0);
+  a.kt = key_cache.stride(1);
+  a.kh = key_cache.stride(2);
+  a.v = value_cache.data_ptr<scalar_t>();
+  a.vb = value_cache.stride(0);
+  a.vt = value_cache.stride(1);
+  a.vh = value_cache.stride(2);
+  a.out = out.data_ptr<scalar_t>();
+  a.os = out.stride(0);
+  a.oh = out.stride(1);
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.max_blocks = block_tables.size(1);
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.num_seqs = query.size(0);
+  a.num_heads = query.size(1);
+  a.num_kv_heads = key_cache.size(2);
+  a.head_dim = query.size(2);
+  a.block_size = key_cache.size(1);
+  a.scale = static_cast<float>(scale);
+  decode_attention_run(a);
 }
 
 template <typename scalar_t>
@@ -210,7 +239,19 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       const scalar_t* gate = x_ptr + r * 2 * d;
       const scalar_t* up = gate + d;
       scalar_t* o = o_ptr + r * d;
-      for (int64_t i = 0; i < d; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= d; i += 16) {
+          const __m512 g = _mm512_loadu_ps(gate + i);
+          const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+          const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
+          _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+        }
+      }
+#endif
+      for (; i < d; ++i) {
         const float g = static_cast<float>(gate[i]);
         // silu in the input dtype first, as torch's silu then mul do.
         const float s = static_cast<float>(static_cast<scalar_t>(g / (1.f + std::exp(-g))));
@@ -218,6 +259,121 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       }
     }
   });
+}
+
+
+// -- skinny linear: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for few rows --------------------
+// At decode batch sizes a linear layer is a matrix-vector product bound by reading the
+// weight once; one tile reads 4 weight rows once for up to 4 rows of x (the rows of x
+// stay in L1 across the tiles). Threads split the weight rows.
+
+constexpr int64_t kSkinnyMaxRows = 16;  // above this, MKL's GEMM (compute-bound) is faster
+
+#if defined(__AVX512F__)
+template <int M, int R>
+inline void skinny_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
+                        int64_t ldy) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + r * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(tail, w + r * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+#else
+template <int M, int R>
+inline void skinny_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
+                        int64_t ldy) {
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * ldy + r] = dot<float>(x + m * ldx, w + r * K, K);
+}
+#endif
+
+template <int R>
+inline void skinny_rows(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K,
+                        float* y, int64_t ldy) {
+  switch (rows) {
+    case 1: skinny_tile<1, R>(x, ldx, w, K, y, ldy); break;
+    case 2: skinny_tile<2, R>(x, ldx, w, K, y, ldy); break;
+    case 3: skinny_tile<3, R>(x, ldx, w, K, y, ldy); break;
+    default: skinny_tile<4, R>(x, ldx, w, K, y, ldy); break;
+  }
+}
+
+// x: [M, K] rows contiguous; w: [N, K] contiguous; bias: [N] or nullptr; y: [M, N].
+void skinny_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
+                   const float* bias, float* y) {
+  const int64_t full = N / 4, tiles = full + N % 4;  // 4-row tiles, then single rows
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t < full ? 4 * t : 4 * full + (t - full);
+      const int64_t num_rows = t < full ? 4 : 1;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m0);
+        float* ym = y + m0 * N + n;
+        if (num_rows == 4) {
+          skinny_rows<4>(rows, x + m0 * K, K, w + n * K, K, ym, N);
+        } else {
+          skinny_rows<1>(rows, x + m0 * K, K, w + n * K, K, ym, N);
+        }
+        if (bias != nullptr)
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t r = 0; r < num_rows; ++r) ym[m * N + r] += bias[n + r];
+      }
+    }
+  });
+}
+
+// fp32 y = x @ w^T (+ bias), y preallocated [M, N]; x rows contiguous.
+void linear_into(at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  if (x.size(0) <= kSkinnyMaxRows) {
+    skinny_linear(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0),
+                  has_bias ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  } else if (has_bias) {
+    at::addmm_out(y, bias, x, w.t());
+  } else {
+    at::mm_out(y, x, w.t());
+  }
+}
+
+// Rotate-half RoPE (Su et al. 2021, RoFormer section 3.4), in place on the first
+// num_rot_heads heads of each row: h = h * cos + roll(h, head_dim / 2) * sin, the
+// model's torch form, with sin holding [-sin, sin].
+void rope_rotate_half(float* qk, int64_t rows, int64_t ld, int64_t num_rot_heads,
+                      int64_t head_dim, const float* cos, const float* sin, int64_t ld_cs) {
+  const int64_t half = head_dim / 2;
+  std::vector<float> h(head_dim);
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* c = cos + t * ld_cs;
+    const float* sn = sin + t * ld_cs;
+    for (int64_t head = 0; head < num_rot_heads; ++head) {
+      float* x = qk + t * ld + head * head_dim;
+      std::copy(x, x + head_dim, h.begin());
+      for (int64_t i = 0; i < head_dim; ++i) {
+        const float a = h[i] * c[i];
+        const float b = h[(i + head_dim - half) % head_dim] * sn[i];
+        x[i] = a + b;
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -265,8 +421,170 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
+at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "linear: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                  x.is_contiguous() && weight.is_contiguous(),
+              "linear: contiguous fp32 tensors expected");
+  at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  TORCH_CHECK(!b.defined() || (b.scalar_type() == at::kFloat && b.is_contiguous() &&
+                               b.numel() == weight.size(0)), "linear: bias [N] fp32 expected");
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  linear_into(y, x, weight, b);
+  return y;
+}
+
+// The decoder layers of a Llama-family model for one decode step, in one call.
+//
+// Between two weight-streaming matmuls, every small op the Python forward runs starts
+// with cold caches (the weights just swept L2) and costs 30-40 us instead of a few;
+// at batch 1 that was a quarter of the step (bench/README.md). Here the whole layer
+// stack runs in C++ with small buffers and a small code footprint, the "no bubbles"
+// idea of decode megakernels (Hazy Research, "Look Ma, No Bubbles!", 2025). Each
+// layer: RMSNorm (+ residual add), QKV projection, rotate-half RoPE, K/V written to
+// their cache slots, paged decode attention, O projection, residual add + RMSNorm,
+// gate/up projection, SiLU * up, down projection. fp32; the Python forward is the
+// oracle (tests/test_cpu_ops.py).
+class LlamaDecodeLayers {
+ public:
+  // weights: per layer [input_layernorm, post_attention_layernorm, qkv_proj, qkv_bias
+  // (empty when the model has none), o_proj, gate_up_proj, down_proj], then the final
+  // norm; fp32, contiguous. Shapes are checked here.
+  LlamaDecodeLayers(std::vector<at::Tensor> weights, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim, double eps)
+      : weights_(std::move(weights)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim), eps_(eps) {
+    TORCH_CHECK(weights_.size() % 7 == 1 && weights_.size() > 1,
+                "LlamaDecodeLayers: 7 tensors per layer and the final norm expected");
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+                    head_dim > 0 && head_dim % 2 == 0, "LlamaDecodeLayers: bad head counts");
+    num_layers_ = static_cast<int64_t>(weights_.size() / 7);
+    hidden_ = weights_.back().numel();
+    intermediate_ = weights_[6].size(1);
+    const int64_t qkv = (num_heads + 2 * num_kv_heads) * head_dim;
+    for (const auto& w : weights_)
+      TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && !w.is_cuda(),
+                  "LlamaDecodeLayers: contiguous fp32 CPU weights expected");
+    for (int64_t i = 0; i < num_layers_; ++i) {
+      const at::Tensor* l = &weights_[7 * i];
+      TORCH_CHECK(l[0].numel() == hidden_ && l[1].numel() == hidden_ &&
+                      l[2].sizes() == at::IntArrayRef({qkv, hidden_}) &&
+                      (l[3].numel() == 0 || l[3].numel() == qkv) &&
+                      l[4].sizes() == at::IntArrayRef({hidden_, num_heads * head_dim}) &&
+                      l[5].sizes() == at::IntArrayRef({2 * intermediate_, hidden_}) &&
+                      l[6].sizes() == at::IntArrayRef({hidden_, intermediate_}),
+                  "LlamaDecodeLayers: layer ", i, " has unexpected weight shapes");
+    }
+  }
+
+  // residual: [M, hidden] embeddings of the step's tokens, one per sequence; it becomes
+  // the residual stream after the last layer. cos, sin: [M, head_dim] rows of the RoPE
+  // tables at the tokens' positions. kv_cache: [num_layers, 2, num_blocks, block_size,
+  // num_kv_heads, head_dim]. slots: [M] int64 cache slots of the new tokens;
+  // block_tables: [M, max_blocks] int32 (entries past a sequence's length may be any
+  // valid block id); seq_lens: [M] int32, the new token included. The caller (the
+  // attention plan) has checked slots, block ids and lengths against the cache.
+  // Returns the final-normed hidden states [M, hidden].
+  at::Tensor forward(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+                     at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                     double scale) {
+    const int64_t M = residual.size(0);
+    TORCH_CHECK(residual.dim() == 2 && residual.size(1) == hidden_ && residual.is_contiguous() &&
+                    residual.scalar_type() == at::kFloat, "forward: residual [M, hidden] fp32");
+    TORCH_CHECK(cos.sizes() == at::IntArrayRef({M, head_dim_}) && sin.sizes() == cos.sizes() &&
+                    cos.is_contiguous() && sin.is_contiguous() &&
+                    cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                "forward: cos/sin [M, head_dim] fp32");
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers_ && kv_cache.size(1) == 2 &&
+                    kv_cache.size(4) == num_kv_heads_ && kv_cache.size(5) == head_dim_ &&
+                    kv_cache.stride(5) == 1 && kv_cache.scalar_type() == at::kFloat,
+                "forward: kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, "
+                "head_dim] fp32");
+    TORCH_CHECK(slots.numel() == M && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                    block_tables.dim() == 2 && block_tables.size(0) == M &&
+                    block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                    seq_lens.numel() == M && seq_lens.scalar_type() == at::kInt &&
+                    seq_lens.is_contiguous(), "forward: slots/block_tables/seq_lens");
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t qkv_n = q_size + 2 * kv_size;
+    const auto opts = residual.options();
+    at::Tensor x = at::zeros({M, hidden_}, opts);  // layer 0 adds zero to the residual
+    at::Tensor o = at::empty({M, hidden_}, opts);
+    at::Tensor qkv = at::empty({M, qkv_n}, opts);
+    at::Tensor attn = at::empty({M, q_size}, opts);
+    at::Tensor gate_up = at::empty({M, 2 * intermediate_}, opts);
+    at::Tensor act = at::empty({M, intermediate_}, opts);
+    const int64_t block_size = kv_cache.size(3);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    float* cache = kv_cache.data_ptr<float>();
+
+    DecodeAttention<float> a;
+    a.q = qkv.data_ptr<float>();
+    a.qs = qkv_n;
+    a.qh = head_dim_;
+    a.kb = a.vb = kv_cache.stride(2);
+    a.kt = a.vt = kv_cache.stride(3);
+    a.kh = a.vh = kv_cache.stride(4);
+    a.out = attn.data_ptr<float>();
+    a.os = q_size;
+    a.oh = head_dim_;
+    a.block_tables = block_tables.data_ptr<int32_t>();
+    a.max_blocks = block_tables.size(1);
+    a.seq_lens = seq_lens.data_ptr<int32_t>();
+    a.num_seqs = M;
+    a.num_heads = num_heads_;
+    a.num_kv_heads = num_kv_heads_;
+    a.head_dim = head_dim_;
+    a.block_size = block_size;
+    a.scale = static_cast<float>(scale);
+
+    for (int64_t i = 0; i < num_layers_; ++i) {
+      const at::Tensor* l = &weights_[7 * i];
+      fused_add_rms_norm_impl<float>(x, residual, l[0], eps_);
+      linear_into(qkv, x, l[2], l[3]);
+      float* qkv_ptr = qkv.data_ptr<float>();
+      rope_rotate_half(qkv_ptr, M, qkv_n, num_heads_ + num_kv_heads_, head_dim_,
+                       cos.data_ptr<float>(), sin.data_ptr<float>(), head_dim_);
+      float* key_cache = cache + i * kv_cache.stride(0);
+      float* value_cache = key_cache + kv_cache.stride(1);
+      for (int64_t t = 0; t < M; ++t) {  // reshape_and_cache
+        const int64_t off = (slot[t] / block_size) * a.kb + (slot[t] % block_size) * a.kt;
+        for (int64_t h = 0; h < num_kv_heads_; ++h) {
+          const float* k = qkv_ptr + t * qkv_n + q_size + h * head_dim_;
+          std::copy(k, k + head_dim_, key_cache + off + h * a.kh);
+          std::copy(k + kv_size, k + kv_size + head_dim_, value_cache + off + h * a.kh);
+        }
+      }
+      a.k = key_cache;
+      a.v = value_cache;
+      decode_attention_run(a);
+      linear_into(o, attn, l[4], at::Tensor());
+      fused_add_rms_norm_impl<float>(o, residual, l[1], eps_);
+      linear_into(gate_up, o, l[5], at::Tensor());
+      silu_and_mul_impl<float>(act, gate_up);
+      linear_into(x, act, l[6], at::Tensor());
+    }
+    fused_add_rms_norm_impl<float>(x, residual, weights_.back(), eps_);
+    return x;
+  }
+
+ private:
+  std::vector<at::Tensor> weights_;
+  int64_t num_layers_, num_heads_, num_kv_heads_, head_dim_, hidden_, intermediate_;
+  double eps_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_decode", &paged_attention_decode);
-  m.def("fused_add_rms_norm", &fused_add_rms_norm);
-  m.def("silu_and_mul", &silu_and_mul);
+  // Every kernel releases the GIL, as torch's own ops do: an in-process engine runs steps
+  // in a thread beside its event loop.
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("paged_attention_decode", &paged_attention_decode, release());
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, release());
+  m.def("silu_and_mul", &silu_and_mul, release());
+  m.def("linear", &linear, pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("bias") = pybind11::none(), release());
+  pybind11::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers")
+      .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double>())
+      .def("forward", &LlamaDecodeLayers::forward, release());
 }

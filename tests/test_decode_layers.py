@@ -1,0 +1,256 @@
+"""The fused C++ decode path (cpu_ops.linear, cpu_ops.LlamaDecodeLayers).
+
+- ``linear`` must equal ``F.linear`` over row counts on both sides of the skinny/MKL
+  switch (16 rows), odd N and K (tile and vector tails) and with a bias.
+- ``LlamaDecodeLayers`` must give the Python forward's hidden states and write the same
+  K/V into the same cache slots, for MHA and GQA, with and without QKV bias, at block
+  sizes 1 and 16, one and many sequences, shuffled block tables, NaN in every cache
+  slot the step must not read.
+- Through the engine, greedy tokens on small random Llama, Qwen2 and Mistral models must
+  equal HF transformers' (near-tie rule), with the fused path counted as taken.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import assert_greedy_parity
+
+from triton_kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
+                                reason="the C++ CPU kernels did not build here")
+
+
+# -- linear -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 17), (64, 576), (1003, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_f_linear(rows, n, k, with_bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    out = cpu_ops.linear(x, w, bias)
+    assert out.shape == (rows, n)
+    torch.testing.assert_close(out, F.linear(x, w, bias), atol=1e-5 * k ** 0.5, rtol=1e-5)
+
+
+def test_linear_takes_a_non_contiguous_input_and_other_dtypes_go_to_torch():
+    x = torch.randn(6, 40)[:, :33]  # rows not contiguous
+    w = torch.randn(9, 33)
+    torch.testing.assert_close(cpu_ops.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(cpu_ops.linear(xb, wb), F.linear(xb, wb))
+
+
+# -- the decoder layers against the Python forward ----------------------------------------
+
+
+def count_fused_steps(fused: cpu_ops.LlamaDecodeLayers) -> list[bool]:
+    """Wrap ``fused.forward``; the list gets True for each step it ran, False for each it
+    declined (returned None)."""
+    steps: list[bool] = []
+    real = fused.forward
+
+    def forward(*args, **kwargs):
+        out = real(*args, **kwargs)
+        steps.append(out is not None)
+        return out
+
+    fused.forward = forward
+    return steps
+
+ARCHS = {
+    "llama_mha": dict(model_type="llama", heads=4, kv_heads=4, head_dim=16),
+    "llama_gqa3": dict(model_type="llama", heads=6, kv_heads=2, head_dim=32),
+    "qwen2_bias_gqa8": dict(model_type="qwen2", heads=8, kv_heads=1, head_dim=64),
+}
+
+
+def hf_config(model_type: str, heads: int, kv_heads: int, head_dim: int, layers: int = 3,
+              vocab: int = 300, intermediate: int = 96):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[model_type]
+    extra = {"sliding_window": None} if model_type in ("qwen2", "mistral") else {}
+    return cls(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=intermediate,
+               num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=kv_heads, max_position_embeddings=512,
+               rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.1,
+               **extra)
+
+
+def our_model(config):
+    """Our LlamaForCausalLM on an HF model's random weights (std 0.1)."""
+    from transformers import AutoModelForCausalLM
+
+    from aioengine.models.llama import LlamaArch, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config)
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    if config.model_type == "qwen2":  # HF initialises biases to zero: make them matter
+        for name, t in weights.items():
+            if name.endswith("_proj.bias"):
+                t.normal_(0, 0.1)
+    return LlamaForCausalLM(LlamaArch.from_hf_config(config), weights, torch.float32, 512)
+
+
+def decode_step(model, seq_lens: list[int], block_size: int, num_blocks: int, seed: int):
+    """One decode step's inputs over a random cache: each sequence owns shuffled blocks
+    holding its first ``seq_len - 1`` tokens; every other slot holds garbage of magnitude
+    1e3 that would change the output if attention read it (the Python path masks it; NaN
+    would poison its masked sum too)."""
+    from aioengine.models.llama import AttentionMetadata
+
+    a = model.arch
+    g = torch.Generator().manual_seed(seed)
+    kv_cache = 1e3 * torch.randn(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads,
+                                 a.head_dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = -(-max(seq_lens) // block_size)
+    block_tables = torch.zeros(len(seq_lens), max_blocks + 1, dtype=torch.int32)
+    slots, used = [], 0
+    for i, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        blocks = perm[used:used + nb]
+        used += nb
+        block_tables[i, :nb] = blocks
+        block_tables[i, nb:] = perm[-1]  # padding: a real block (the plan clamps anyway)
+        for t in range(n - 1):  # the context before the new token
+            kv_cache[:, :, blocks[t // block_size], t % block_size] = torch.randn(
+                a.num_layers, 2, a.num_kv_heads, a.head_dim, generator=g)
+        slots.append(int(blocks[(n - 1) // block_size]) * block_size + (n - 1) % block_size)
+    assert used < num_blocks, "the test needs one block no sequence owns"
+    num = len(seq_lens)
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=block_tables,
+        cu_seqlens_q=torch.arange(num + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), max_seqlen_q=1,
+        max_seqlen_k=max(seq_lens))
+    input_ids = torch.randint(0, a.vocab_size, (num,), generator=g)
+    positions = torch.tensor(seq_lens) - 1
+    return input_ids, positions, kv_cache, attn
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 1, 70, 16, 33], [9 + 3 * i for i in range(20)]])
+def test_decode_layers_equal_the_python_forward(arch, block_size, seq_lens):
+    model = our_model(hf_config(**ARCHS[arch]))
+    fused = model.decode_layers
+    assert fused is not None and fused.available
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 2
+    input_ids, positions, kv_cache, attn = decode_step(model, seq_lens, block_size, num_blocks,
+                                                       seed=len(seq_lens) * block_size)
+    calls = count_fused_steps(fused)
+    cache_fused = kv_cache.clone()
+    hidden = model.forward(input_ids, positions, cache_fused, attn)
+    assert calls == [True], "the decode step did not take the fused path"
+    model.decode_layers = None  # the Python forward, the oracle
+    cache_python = kv_cache.clone()
+    expected = model.forward(input_ids, positions, cache_python, attn)
+    torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)
+    # The same slots written with the same K/V; every other slot (context or garbage) as
+    # the Python path left it, that is untouched.
+    torch.testing.assert_close(cache_fused, cache_python, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(cache_fused, kv_cache), "nothing was written"
+
+
+def test_prefill_and_mixed_steps_keep_the_python_forward():
+    from aioengine.models.llama import AttentionMetadata
+
+    model = our_model(hf_config(**ARCHS["llama_gqa3"]))
+    taken = count_fused_steps(model.decode_layers)
+    a = model.arch
+    kv_cache = torch.zeros(a.num_layers, 2, 8, 16, a.num_kv_heads, a.head_dim)
+    # a 5-token prompt and a decode row in one step
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor([0, 1, 2, 3, 4, 16 + 6]),
+        block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 5, 6], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 7], dtype=torch.int32), max_seqlen_q=5, max_seqlen_k=7)
+    hidden = model.forward(torch.arange(6), torch.tensor([0, 1, 2, 3, 4, 6]), kv_cache, attn)
+    assert taken == [False]  # asked, declined: the step is not all decodes
+    assert hidden.shape == (6, a.hidden_size) and torch.isfinite(hidden).all()
+
+
+def test_bad_shapes_are_refused_by_the_kernel():
+    ops = cpu_ops.load()
+    w = torch.zeros(4, 4)
+    with pytest.raises(RuntimeError, match="7 tensors per layer"):
+        ops.LlamaDecodeLayers([w, w], 1, 1, 4, 1e-5)
+    with pytest.raises(RuntimeError, match="unexpected weight shapes"):
+        ops.LlamaDecodeLayers([torch.ones(8)] * 2 + [w] * 5 + [torch.ones(8)], 2, 1, 4, 1e-5)
+
+
+# -- through the engine, against HF transformers ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from aioengine.config import default_model_path
+    from aioengine.models.loader import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(default_model_path()).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type,heads,kv_heads", [("llama", 8, 2), ("qwen2", 4, 4),
+                                                      ("mistral", 6, 3)])
+def test_engine_greedy_matches_hf_on_random_models(model_type, heads, kv_heads, tmp_path,
+                                                   tokenizer_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from aioengine import LLM, SamplingParams
+    from aioengine.models import llama
+
+    config = hf_config(model_type, heads, kv_heads, 32, layers=2, vocab=49152, intermediate=256)
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    if model_type == "qwen2":
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+
+    models = []
+    real_init = llama.LlamaForCausalLM.__init__
+
+    def counting_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        models.append(count_fused_steps(self.decode_layers))
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "__init__", counting_init)
+    llm = LLM(str(tmp_path), executor="inproc", dtype="float32")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (3, 11, 29)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    (fused_steps,) = models
+    # 11 decode steps for 3 requests in one batch; only prefill steps may decline.
+    assert sum(fused_steps) >= 11 and not all(fused_steps), fused_steps
+    ties = []
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                          do_sample=False, eos_token_id=None, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)
+        ref_tokens = ref.sequences[0, len(prompt):].tolist()
+        ref_top2 = [s[0].float().log_softmax(-1).topk(2).values.tolist() for s in ref.logits]
+        ours = out.outputs[0]
+        ours_top2 = [sorted(lp.values(), reverse=True)[:2] for lp in ours.logprobs]
+        ties.append(assert_greedy_parity(f"{model_type} {len(prompt)}-token prompt",
+                                         ours.token_ids, ref_tokens, ours_top2, ref_top2))
+    assert sum(t is None for t in ties) >= len(ties) - 1, ties
