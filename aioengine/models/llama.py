@@ -218,7 +218,8 @@ class LlamaForCausalLM:
         # cpu_ops.LlamaDecodeLayers); tensor parallelism keeps the Python forward, which
         # has the all-reduces.
         self.decode_layers = None
-        if self.tp_size == 1 and self.embed_tokens.device.type == "cpu":
+        if (self.tp_size == 1 and self.embed_tokens.device.type == "cpu"
+                and 2 * self.rotary.half == arch.head_dim):  # the C++ RoPE rotates whole heads
             fused = cpu_ops.LlamaDecodeLayers(
                 [(layer["input_layernorm"], layer["post_attention_layernorm"], layer["qkv_proj"],
                   layer["qkv_bias"], layer["o_proj"], layer["gate_up_proj"], layer["down_proj"])
