@@ -351,9 +351,11 @@ def main(argv: list[str] | None = None) -> dict:
     def phase(name: str, fn, *fn_args, **fn_kwargs) -> dict:
         """Run one measurement with the load average before and after it."""
         before = load.sample()[0]
+        t0 = time.perf_counter()
         result = fn(*fn_args, **fn_kwargs)
+        elapsed = time.perf_counter() - t0
         result["loadavg_1m"] = [before, load.sample()[0]]
-        print(f"[{name}: {result.get('elapsed_s', '-')} s, load {before:.2f} -> "
+        print(f"[{name}: {elapsed:.1f} s, load {before:.2f} -> "
               f"{result['loadavg_1m'][1]:.2f}]", flush=True)
         return result
 
@@ -433,10 +435,11 @@ def combine_runs(runs: list[dict]) -> dict:
 
 def print_report(r: dict, args: argparse.Namespace) -> None:
     w = r["workload"]
-    print(f"\n== offline throughput: {w['num_requests']} {w['dataset']} requests, "
-          f"{w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, {args.dtype}, "
-          f"{args.threads} threads, load {r['load']['loadavg_1m_min']:.2f}-"
+    print(f"\n== {args.dtype}, {args.threads} threads, load {r['load']['loadavg_1m_min']:.2f}-"
           f"{r['load']['loadavg_1m_max']:.2f}")
+    if "engine" in r or "hf" in r:
+        print(f"\n== offline throughput: {w['num_requests']} {w['dataset']} requests, "
+              f"{w['prompt_tokens']} prompt + {w['output_tokens']} output tokens")
     rows = []
     if "engine" in r:
         for i, run in enumerate(r["engine"].get("runs", [])):

@@ -132,6 +132,9 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from rich.console import Console
 
+    from aioengine.logger import configure_logging
+
+    configure_logging(args.log_level)  # ours and, through the environment, the workers'
     console = Console(stderr=True, soft_wrap=True)
     config = _engine_config(args)
     console.print(f"[bold]aioengine[/] loading {config.model.model_path} "

@@ -31,6 +31,7 @@ from aioengine.ipc.messages import (
     encode,
 )
 from aioengine.ipc.shm_ring import RingHandle, ShmRing
+from aioengine.logger import configure_logging
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -59,6 +60,7 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handl
             tensor-parallel rank; None for the single worker.
     """
     _die_with_parent(parent_pid)
+    configure_logging()  # the level ``aioengine serve --log-level`` exported, if any
     rank = 0 if dist is None else dist[0]
     if dist is not None:
         # Before torch is imported: OpenMP reads it once.
