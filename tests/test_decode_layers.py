@@ -4,8 +4,9 @@
   switch (16 rows), odd N and K (tile and vector tails) and with a bias.
 - ``LlamaDecodeLayers`` must give the Python forward's hidden states and write the same
   K/V into the same cache slots, for MHA and GQA, with and without QKV bias, at block
-  sizes 1 and 16, one and many sequences, shuffled block tables, NaN in every cache
-  slot the step must not read.
+  sizes 1 and 16, one and many sequences, shuffled block tables, garbage in every cache
+  slot the step must not read (NaN, for the fused path alone); a plan that does not fit
+  the cache is refused before anything is written.
 - Through the engine, greedy tokens on small random Llama, Qwen2 and Mistral models must
   equal HF transformers' (near-tie rule), with the fused path counted as taken.
 """
@@ -254,3 +255,84 @@ def test_engine_greedy_matches_hf_on_random_models(model_type, heads, kv_heads, 
         ties.append(assert_greedy_parity(f"{model_type} {len(prompt)}-token prompt",
                                          ours.token_ids, ref_tokens, ours_top2, ref_top2))
     assert sum(t is None for t in ties) >= len(ties) - 1, ties
+
+
+# -- refusals and guards (found by a break-it review) --------------------------------------
+
+
+def test_fused_path_alone_stays_finite_with_nan_in_every_unread_slot():
+    model = our_model(hf_config(**ARCHS["llama_gqa3"]))
+    input_ids, positions, kv_cache, attn = decode_step(model, [5, 1, 70, 16, 33], 16, 16, seed=3)
+    written = torch.zeros(kv_cache.shape[2] * kv_cache.shape[3], dtype=torch.bool)
+    lens = attn.seq_lens.tolist()
+    for i, n in enumerate(lens):
+        for t in range(n):
+            b = int(attn.block_tables[i, t // 16])
+            written[b * 16 + t % 16] = True
+    flat = kv_cache.view(kv_cache.shape[0], 2, -1, *kv_cache.shape[4:])
+    flat[:, :, ~written] = float("nan")
+    hidden = model.forward(input_ids, positions, kv_cache, attn)
+    assert torch.isfinite(hidden).all()
+
+
+def test_a_plan_for_another_cache_is_refused_before_anything_is_written():
+    import triton_kernels
+
+    model = our_model(hf_config(**ARCHS["llama_gqa3"]))
+    input_ids, positions, kv_cache, attn = decode_step(model, [5, 9], 16, 4, seed=4)
+    big = torch.zeros(kv_cache.shape[0], 2, 64, *kv_cache.shape[3:])
+    plan = triton_kernels.plan_attention(attn.slot_mapping + 16 * 40, attn.block_tables + 40,
+                                         attn.cu_seqlens_q, attn.seq_lens, 1,
+                                         attn.max_seqlen_k, big[0, 0])  # slots past the small cache
+    a = model.arch
+    residual = torch.randn(2, a.hidden_size)
+    cos = model.rotary.cos[positions]
+    sin = model.rotary.sin[positions]
+    before = kv_cache.clone()
+    with pytest.raises(ValueError, match="do not match the plan"):
+        model.decode_layers.forward(residual, cos, sin, kv_cache, plan, model.scale)
+    assert torch.equal(kv_cache, before)
+
+
+@pytest.mark.parametrize("bad", ["slot", "block_id", "seq_len"])
+def test_the_kernel_checks_slots_and_block_ids_itself(bad):
+    model = our_model(hf_config(**ARCHS["llama_mha"]))
+    a = model.arch
+    kv_cache = torch.zeros(a.num_layers, 2, 4, 16, a.num_kv_heads, a.head_dim)
+    slots = torch.tensor([3])
+    block_tables = torch.tensor([[1]], dtype=torch.int32)
+    seq_lens = torch.tensor([4], dtype=torch.int32)
+    if bad == "slot":
+        slots = torch.tensor([4 * 16])
+    elif bad == "block_id":
+        block_tables = torch.tensor([[4]], dtype=torch.int32)
+    else:
+        seq_lens = torch.tensor([17], dtype=torch.int32)
+    impl = model.decode_layers._impl
+    cos, sin = model.rotary.cos[:1].contiguous(), model.rotary.sin[:1].contiguous()
+    with pytest.raises(RuntimeError, match="outside"):
+        impl.forward(torch.randn(1, a.hidden_size), cos, sin, kv_cache, slots, block_tables,
+                     seq_lens, model.scale)
+    assert not kv_cache.any()
+
+
+def test_linear_hands_what_it_does_not_cover_to_f_linear():
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    # a bias F.linear broadcasts
+    torch.testing.assert_close(cpu_ops.linear(x, w, torch.ones(1)), F.linear(x, w, torch.ones(1)))
+    # gradients flow
+    wg = w.clone().requires_grad_()
+    cpu_ops.linear(x, wg).sum().backward()
+    torch.testing.assert_close(wg.grad, x.sum(0).expand(5, 8))
+    # a lazily negated weight
+    neg = w._neg_view()  # torch.neg as a lazy view (is_neg() is True)
+    torch.testing.assert_close(cpu_ops.linear(x, neg), F.linear(x, -w))
+
+
+def test_checkpoint_biases_the_model_lacks_are_refused():
+    from transformers import LlamaConfig
+
+    config = hf_config("llama", 4, 2, 16)
+    config = LlamaConfig(**{**config.to_dict(), "attention_bias": True})
+    with pytest.raises(ValueError, match="biases this model does not implement"):
+        our_model(config)

@@ -177,12 +177,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Up to 16 rows it is the C++ skinny kernel, which reads each weight row once for four
     rows of ``x`` (``bench/cpu_decode.py`` on the default model's linears: on par with
     MKL at 1-2 rows, 1.4-1.55x faster at 4-8, 1.24x at 16); above that, MKL's GEMM.
-    Other dtypes, shapes or a missing build go to ``F.linear``.
+    Anything else goes to ``F.linear``: other dtypes or devices, a bias that would
+    broadcast, tensors that need gradients or carry a lazy negation, a missing build.
     """
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if (x.dim() != 2 or weight.dim() != 2 or any(t.device.type != "cpu" for t in tensors)
+            or any(t.dtype != torch.float32 or t.is_neg() for t in tensors)
+            or not weight.is_contiguous()
+            or (bias is not None and (bias.shape != weight.shape[:1] or not bias.is_contiguous()))
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+        return torch.nn.functional.linear(x, weight, bias)
     ops = _ops_for(x.dtype)
-    if (ops is None or x.dim() != 2 or x.device.type != "cpu" or weight.device.type != "cpu"
-            or weight.dtype != torch.float32 or not weight.is_contiguous()
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+    if ops is None:
         return torch.nn.functional.linear(x, weight, bias)
     return ops.linear(x.contiguous(), weight, bias)
 
@@ -212,8 +218,10 @@ class LlamaDecodeLayers:
     def __init__(self, layers, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int, eps: float) -> None:
         self._impl = None
+        if final_norm.device.type != "cpu":
+            return
         ops = _ops_for(final_norm.dtype)
-        if ops is None or final_norm.is_cuda:
+        if ops is None:
             return
         empty = final_norm.new_empty(0)
         flat = [t if t is not None else empty for layer in layers for t in layer] + [final_norm]
@@ -240,11 +248,16 @@ class LlamaDecodeLayers:
 
         Returns:
             ``[num_seqs, hidden]`` hidden states after the final norm, or None.
+
+        Raises:
+            ValueError: ``residual`` or ``kv_cache`` does not match the plan.
+            RuntimeError: (from C++) a shape, a slot or a block id out of range.
         """
         if (self._impl is None or plan is None or plan.prefill is not None
                 or plan.slots is None or plan.written_tokens is not None
                 or residual.dtype != torch.float32 or kv_cache.dtype != torch.float32):
             return None
+        reference._check_plan(plan, residual, kv_cache[0, 0], kv_cache[0, 1])
         decode = plan.decode
         return self._impl.forward(residual, cos.contiguous(), sin.contiguous(), kv_cache,
                                   plan.slots.contiguous(), decode.block_table, decode.seq_lens,

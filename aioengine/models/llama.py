@@ -212,6 +212,10 @@ class LlamaForCausalLM:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = take("lm_head.weight")
+        ignored = sorted(name for name in weights if name.endswith(".bias"))
+        if ignored:  # e.g. Llama's attention_bias (o_proj) or mlp_bias: refuse, never drop
+            raise ValueError(f"the checkpoint has biases this model does not implement: "
+                             f"{', '.join(ignored[:3])}{' ...' if len(ignored) > 3 else ''}")
         self.rotary = RotaryEmbedding(arch.inv_freq, max(max_model_len, 1), arch.attention_scaling,
                                       dtype)
         # Decode steps on CPU in fp32 run the layer stack in one C++ call (see

@@ -445,7 +445,7 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
 // layer: RMSNorm (+ residual add), QKV projection, rotate-half RoPE, K/V written to
 // their cache slots, paged decode attention, O projection, residual add + RMSNorm,
 // gate/up projection, SiLU * up, down projection. fp32; the Python forward is the
-// oracle (tests/test_cpu_ops.py).
+// oracle (tests/test_decode_layers.py).
 class LlamaDecodeLayers {
  public:
   // weights: per layer [input_layernorm, post_attention_layernorm, qkv_proj, qkv_bias
@@ -515,9 +515,23 @@ class LlamaDecodeLayers {
     at::Tensor attn = at::empty({M, q_size}, opts);
     at::Tensor gate_up = at::empty({M, 2 * intermediate_}, opts);
     at::Tensor act = at::empty({M, intermediate_}, opts);
-    const int64_t block_size = kv_cache.size(3);
+    const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
     const int64_t* slot = slots.data_ptr<int64_t>();
     float* cache = kv_cache.data_ptr<float>();
+    // The caller's plan has checked these; checked again here because a write or read
+    // outside the cache would corrupt memory (a few integer compares a step).
+    const int32_t* bt = block_tables.data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    const int64_t max_blocks = block_tables.size(1);
+    for (int64_t t = 0; t < M; ++t) {
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_blocks * block_size, "forward: slot ", slot[t],
+                  " outside the cache of ", num_blocks * block_size, " slots");
+      TORCH_CHECK(lens[t] >= 1 && lens[t] <= max_blocks * block_size, "forward: seq_len ",
+                  lens[t], " outside [1, ", max_blocks * block_size, "]");
+      for (int64_t b = 0; b < (lens[t] + block_size - 1) / block_size; ++b)
+        TORCH_CHECK(bt[t * max_blocks + b] >= 0 && bt[t * max_blocks + b] < num_blocks,
+                    "forward: block id ", bt[t * max_blocks + b], " outside [0, ", num_blocks, ")");
+    }
 
     DecodeAttention<float> a;
     a.q = qkv.data_ptr<float>();
