@@ -9,8 +9,12 @@
 // - fused_add_rms_norm: residual += x; x = rms_norm(residual) * weight, in
 //   place (vLLM's fused_add_rms_norm; RMSNorm, Zhang & Sennrich 2019).
 // - silu_and_mul: out = silu(x[:, :d]) * x[:, d:] (SwiGLU, Shazeer 2020).
+// - linear (fp32): y = x @ w^T (+ bias); a skinny kernel up to 16 rows of x, MKL's
+//   GEMM above.
+// - LlamaDecodeLayers (fp32): a Llama-family decoder-layer stack for one decode
+//   step in one call, built from the kernels above.
 //
-// Every function takes fp32, bf16 or fp16 tensors and accumulates in fp32.
+// The first three take fp32, bf16 or fp16 tensors and accumulate in fp32.
 // Shapes and dtypes are checked in Python (triton_kernels/cpu_ops.py) and again
 // here with TORCH_CHECK, which surfaces as RuntimeError.
 
