@@ -91,7 +91,8 @@ def cold_op_us(model, repeats: int) -> dict[str, float]:
     w = model.layers[0]["gate_up_proj"]
     x = torch.randn(1, w.shape[1])
     result = {}
-    for label, before in (("after_mul", lambda: g.mul(2.0)), ("after_matmul", lambda: F.linear(x, w))):
+    befores = (("after_mul", lambda: g.mul(2.0)), ("after_matmul", lambda: F.linear(x, w)))
+    for label, before in befores:
         times = []
         for _ in range(repeats):
             before()

@@ -140,6 +140,17 @@ def stop_server(info: ServerInfo) -> None:
 
 
 @pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's tokenizer saved as HF files, for random-weight test models."""
+    from aioengine.config import default_model_path
+    from aioengine.models.loader import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(default_model_path()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
     """The shared test server (API key ``server.api_key``)."""
     info = start_server(tmp_path_factory.mktemp("server"))

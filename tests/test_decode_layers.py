@@ -14,12 +14,11 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import assert_greedy_parity
+from parity import assert_greedy_parity, hf_greedy
 
 from triton_kernels import cpu_ops
 
@@ -143,7 +142,8 @@ def decode_step(model, seq_lens: list[int], block_size: int, num_blocks: int, se
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 1, 70, 16, 33], [9 + 3 * i for i in range(20)]])
+@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 1, 70, 16, 33],
+                                      [9 + 3 * i for i in range(20)]])
 def test_decode_layers_equal_the_python_forward(arch, block_size, seq_lens):
     model = our_model(hf_config(**ARCHS[arch]))
     fused = model.decode_layers
@@ -195,16 +195,6 @@ def test_bad_shapes_are_refused_by_the_kernel():
 # -- through the engine, against HF transformers ----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from aioengine.config import default_model_path
-    from aioengine.models.loader import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(default_model_path()).save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("model_type,heads,kv_heads", [("llama", 8, 2), ("qwen2", 4, 4),
                                                       ("mistral", 6, 3)])
 def test_engine_greedy_matches_hf_on_random_models(model_type, heads, kv_heads, tmp_path,
@@ -244,12 +234,7 @@ def test_engine_greedy_matches_hf_on_random_models(model_type, heads, kv_heads, 
     assert sum(fused_steps) >= 11 and not all(fused_steps), fused_steps
     ties = []
     for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt])
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-        ref_tokens = ref.sequences[0, len(prompt):].tolist()
-        ref_top2 = [s[0].float().log_softmax(-1).topk(2).values.tolist() for s in ref.logits]
+        ref_tokens, ref_top2 = hf_greedy(hf, prompt, 12)
         ours = out.outputs[0]
         ours_top2 = [sorted(lp.values(), reverse=True)[:2] for lp in ours.logprobs]
         ties.append(assert_greedy_parity(f"{model_type} {len(prompt)}-token prompt",
@@ -279,7 +264,7 @@ def test_a_plan_for_another_cache_is_refused_before_anything_is_written():
     import triton_kernels
 
     model = our_model(hf_config(**ARCHS["llama_gqa3"]))
-    input_ids, positions, kv_cache, attn = decode_step(model, [5, 9], 16, 4, seed=4)
+    _, positions, kv_cache, attn = decode_step(model, [5, 9], 16, 4, seed=4)
     big = torch.zeros(kv_cache.shape[0], 2, 64, *kv_cache.shape[3:])
     plan = triton_kernels.plan_attention(attn.slot_mapping + 16 * 40, attn.block_tables + 40,
                                          attn.cu_seqlens_q, attn.seq_lens, 1,

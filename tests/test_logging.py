@@ -4,6 +4,7 @@ workers (which start with Python's default, warnings-only logging)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +24,9 @@ llm.shutdown()
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
+def tiny_model(tmp_path_factory, tokenizer_dir) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from aioengine.config import default_model_path
-    from aioengine.models.loader import load_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
@@ -36,7 +34,8 @@ def tiny_model(tmp_path_factory) -> Path:
                                  num_hidden_layers=1, num_attention_heads=4,
                                  num_key_value_heads=2, max_position_embeddings=128)
                      ).save_pretrained(path, safe_serialization=True)
-    load_tokenizer(default_model_path()).save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
     return path
 
 

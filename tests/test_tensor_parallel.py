@@ -27,7 +27,7 @@ from parity import assert_greedy_parity
 from reliability_util import pid_alive, shm_segments, spawned_workers, wait_until
 
 from aioengine import LLM, SamplingParams
-from aioengine.config import EngineConfig, default_model_path
+from aioengine.config import EngineConfig
 from aioengine.distributed.tensor_parallel import (
     check_tensor_parallel_size,
     kv_heads_of_rank,
@@ -74,15 +74,6 @@ def expected_rank_bytes(full: int, *, tp: int, hidden: int, layers: int, vocab: 
     kv_rank = layers * 2 * kv_heads_of_rank(0, tp, num_kv_heads)[1] * head_dim * hidden * 4
     vocab_pad = (vocab_shard_size(vocab, tp) * tp - vocab) * hidden * 4 * (1 if tied else 2)
     return (full - norms - kv_full + vocab_pad) // tp + norms + kv_rank
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from aioengine.models.loader import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(default_model_path()).save_pretrained(path)
-    return path
 
 
 def make_random_model(root: Path, tokenizer_dir: Path, num_kv_heads: int) -> Path:

@@ -181,13 +181,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     broadcast, tensors that need gradients or carry a lazy negation, a missing build.
     """
     tensors = (x, weight) if bias is None else (x, weight, bias)
-    if (x.dim() != 2 or weight.dim() != 2 or any(t.device.type != "cpu" for t in tensors)
-            or any(t.dtype != torch.float32 or t.is_neg() for t in tensors)
-            or not weight.is_contiguous()
-            or (bias is not None and (bias.shape != weight.shape[:1] or not bias.is_contiguous()))
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
-        return torch.nn.functional.linear(x, weight, bias)
-    ops = _ops_for(x.dtype)
+    covered = (x.dim() == 2 and weight.dim() == 2 and weight.is_contiguous()
+               and all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.is_neg()
+                       for t in tensors)
+               and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()))
+               and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+    ops = _ops_for(x.dtype) if covered else None  # the build is only loaded for fp32 CPU
     if ops is None:
         return torch.nn.functional.linear(x, weight, bias)
     return ops.linear(x.contiguous(), weight, bias)
