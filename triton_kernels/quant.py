@@ -1,0 +1,170 @@
+"""Weights stored in GGML block formats (GGUF), used without dequantizing them first.
+
+A ``QuantizedWeight`` is a linear layer's weight ``[rows, cols]`` (``[out_features,
+in_features]``) kept in the byte layout of a GGUF file: each row is ``cols /
+block_size`` blocks of the format, rows back to back, so ``data`` is a uint8 tensor
+``[rows, row_bytes]`` that may be a view of the memory-mapped file itself. Formats are
+``gguf.GGMLQuantizationType`` values; block layouts are llama.cpp's
+(``ggml/src/ggml-common.h``; the ``gguf`` package's ``quants.py`` is their Python twin).
+
+The model calls only ``linear``, ``embedding`` and ``fuse_rows``; each runs the C++
+kernels on CPU tensors when they are built (``cpu_ops``), Triton on CUDA, and the
+dequantize-then-``F.linear`` torch path otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+__all__ = [
+    "SUPPORTED_QTYPES",
+    "GGMLQuantizationType",
+    "QuantizedWeight",
+    "Weight",
+    "embedding",
+    "fuse_rows",
+    "linear",
+]
+
+QT = GGMLQuantizationType
+#: Formats the kernels read directly. F32 tensors are plain fp32 tensors, never wrapped.
+SUPPORTED_QTYPES: tuple[GGMLQuantizationType, ...] = (
+    QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16, QT.BF16)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A ``[rows, cols]`` weight in one GGML block format.
+
+    Attributes:
+        data: uint8 ``[rows, row_bytes]``, C-contiguous, ``row_bytes = cols //
+            block_size * type_size`` (``gguf.GGML_QUANT_SIZES``).
+        qtype: the block format.
+        shape: logical ``(rows, cols)``, i.e. ``(out_features, in_features)``.
+
+    Raises:
+        ValueError: unsupported format, ``cols`` not a multiple of the block size, or
+            ``data`` of the wrong dtype or shape.
+    """
+
+    data: torch.Tensor
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        qtype = GGMLQuantizationType(self.qtype)
+        object.__setattr__(self, "qtype", qtype)
+        if qtype not in SUPPORTED_QTYPES:
+            raise ValueError(f"GGML type {qtype.name} is not supported; supported: "
+                             f"{', '.join(t.name for t in SUPPORTED_QTYPES)}")
+        rows, cols = (int(s) for s in self.shape)
+        object.__setattr__(self, "shape", (rows, cols))
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        if cols % block_size:
+            raise ValueError(f"{qtype.name} needs cols divisible by {block_size}, got {cols}")
+        row_bytes = cols // block_size * type_size
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (rows, row_bytes):
+            raise ValueError(f"{qtype.name} weight {rows}x{cols} needs uint8 data "
+                             f"[{rows}, {row_bytes}], got {self.data.dtype} "
+                             f"{list(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ``data``."""
+        return self.data.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a dense ``[rows, cols]`` tensor (bit-exact with
+        ``gguf.quants.dequantize``)."""
+        values = gguf_quants.dequantize(self.data.cpu().numpy(), self.qtype)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(
+            device=self.data.device, dtype=dtype)
+
+    def slice_rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Rows ``[start, stop)`` (a view of ``data``)."""
+        return QuantizedWeight(self.data[start:stop], self.qtype, (stop - start, self.shape[1]))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
+        """Quantize a dense ``[rows, cols]`` weight with the ``gguf`` package's quantizers
+        (llama.cpp's reference rounding). Used for ``--quantization`` and test models.
+
+        Raises:
+            NotImplementedError: the package has no quantizer for ``qtype`` (the K-quants).
+        """
+        rows, cols = weight.shape
+        array = weight.detach().float().cpu().numpy()
+        data = gguf_quants.quantize(array, GGMLQuantizationType(qtype))  # F16/BF16 too
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
+        return cls(torch.from_numpy(data), qtype, (rows, cols))
+
+
+#: What a linear layer's weight may be: dense ``[rows, cols]``, one quantized matrix,
+#: or parts whose outputs are concatenated (Q/K/V of different formats, say).
+Weight = torch.Tensor | QuantizedWeight | tuple
+
+
+def fuse_rows(parts: Sequence[torch.Tensor | QuantizedWeight]) -> Weight:
+    """One weight whose output is the parts' outputs side by side (fused QKV, gate/up).
+
+    Dense parts are concatenated, quantized parts of one format have their rows
+    concatenated (bytes, no re-quantization), and a mix stays a tuple of parts.
+
+    Raises:
+        ValueError: parts with different ``cols``.
+    """
+    parts = list(parts)
+    if len({_shape(p)[1] for p in parts}) != 1:
+        raise ValueError(f"fuse_rows: parts have different cols: {[_shape(p) for p in parts]}")
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.qtype for p in parts}) == 1:
+        rows = sum(p.shape[0] for p in parts)
+        return QuantizedWeight(torch.cat([p.data for p in parts]), parts[0].qtype,
+                               (rows, parts[0].shape[1]))
+    return tuple(parts)
+
+
+def _shape(w: Weight) -> tuple[int, int]:
+    if isinstance(w, tuple):
+        return sum(_shape(p)[0] for p in w), _shape(w[0])[1]
+    return tuple(w.shape)
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``.
+
+    Args:
+        x: ``[M, K]`` activations.
+        weight: ``[N, K]`` dense, quantized, or a tuple of parts (``fuse_rows``).
+        bias: ``[N]`` or None.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+    """
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight.to(x.dtype), bias)
+    if isinstance(weight, tuple):
+        out = torch.cat([linear(x, part) for part in weight], dim=-1)
+        return out if bias is None else out + bias
+    return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """Rows ``ids`` (``[T]`` int64) of an embedding table ``[vocab, hidden]`` as fp32
+    ``[T, hidden]`` (only those rows are dequantized)."""
+    if isinstance(weight, torch.Tensor):
+        return F.embedding(ids, weight)
+    rows = QuantizedWeight(weight.data[ids], weight.qtype, (ids.numel(), weight.shape[1]))
+    return rows.dequantize(torch.float32)
