@@ -321,17 +321,21 @@ def dequantize(data: torch.Tensor, qtype: GGMLQuantizationType | int,
 
 
 def _matmul_config(m: int, qtype: GGMLQuantizationType) -> dict:
-    """Tile sizes and launch parameters for ``_dequant_matmul_kernel``. BLOCK_K is a
-    whole number of blocks (256 = one K-quant super-block per row per step); small M
-    (decode) gets narrow column tiles so that a GEMV still spreads over many SMs."""
+    """Tile sizes and launch parameters for ``_dequant_matmul_kernel`` (heuristics, not
+    yet tuned on a GPU). BLOCK_K is a whole number of blocks (256 = one K-quant
+    super-block per row per step); small M (decode) gets narrow column tiles so that a
+    GEMV still spreads over many SMs; 8 warps once the decoded weight tile passes 4096
+    elements, to keep its per-thread share (and the decode's temporaries) in registers."""
     k_quant = qtype in _K_QUANTS
     if _INTERPRETED:  # small tiles: several programs and K steps on tiny test shapes
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256 if k_quant else 64,
                 "GROUP_M": 2}
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return {"BLOCK_M": block_m, "BLOCK_N": 32 if m <= 16 else 64,
-            "BLOCK_K": 256 if k_quant else 128, "GROUP_M": 8,
-            "num_warps": 4, "num_stages": 2 if k_quant else 3}
+    block_n = 32 if m <= 16 else 64
+    block_k = 256 if k_quant else 128
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
+            "num_warps": 8 if block_n * block_k > 4096 else 4,
+            "num_stages": 2 if k_quant else 3}
 
 
 def dequant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationType | int,
