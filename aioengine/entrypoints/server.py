@@ -600,7 +600,8 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
               allowed_origins: list[str] | None = None) -> Starlette:
     """The Starlette app; its lifespan starts and stops the engine (then
     ``app.state.serving`` is the ``OpenAIServing`` and ``app.state.load_time``
-    the engine's load time in seconds).
+    the engine's load time in seconds; if the start fails, the exception is
+    ``app.state.startup_error`` too).
 
     Args:
         config: engine settings.
@@ -624,8 +625,15 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         t0 = time.perf_counter()
-        await asyncio.to_thread(_preimport_transformers)
-        engine = await AsyncEngine.start(config)
+        try:
+            await asyncio.to_thread(_preimport_transformers)
+            engine = await AsyncEngine.start(config)
+        except Exception as exc:
+            # For the caller (``aioengine serve`` reports it in one line); the
+            # traceback is for --log-level debug.
+            app.state.startup_error = exc
+            logger.debug("the engine failed to start", exc_info=True)
+            raise
         app.state.serving = OpenAIServing(engine)
         app.state.metrics = EngineMetrics(engine)
         app.state.load_time = time.perf_counter() - t0
