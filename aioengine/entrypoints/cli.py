@@ -132,17 +132,18 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    from aioengine.logger import configure_logging
+
+    configure_logging(args.log_level)  # ours and, through the environment, the workers'
+    sock = _check_serve_args(args)  # bad starts end here, before the imports below
+    config = _engine_config(args)
+
     import asyncio
     import time
 
     from rich.console import Console
 
-    from aioengine.logger import configure_logging
-
-    configure_logging(args.log_level)  # ours and, through the environment, the workers'
     console = Console(stderr=True, soft_wrap=True)
-    sock = _check_serve_args(args)
-    config = _engine_config(args)
     console.print(f"[bold]aioengine[/] loading {config.model.model_path} "
                 f"(dtype={config.model.dtype}, executor={config.parallel.executor}) ...")
 

@@ -22,6 +22,7 @@ milliseconds and skips the arrays.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import mmap
 import os
@@ -165,8 +166,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
         for _ in range(num_kv):
             key = r.string()
             header.metadata[key] = r.value(r.take("I"))
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
+        quant_sizes = _ggml_quant_sizes()
         ends = []
         for _ in range(num_tensors):
             name = r.string()
@@ -174,8 +174,8 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             dims = [r.take("Q") for _ in range(n_dims)]
             ggml_type, offset = r.take("I"), r.take("Q")
             try:
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-            except (ValueError, KeyError):
+                block, type_size = quant_sizes[ggml_type]
+            except KeyError:
                 raise StartupError(f"{what}: tensor {name} has unknown GGML type "
                                    f"{ggml_type}") from None
             numel = 1
@@ -189,6 +189,29 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             raise StartupError(f"{what} is truncated: {size} bytes, but its tensors need "
                                f"{header.data_end} (re-download it)")
     return header
+
+
+def _ggml_quant_sizes() -> dict[int, tuple[int, int]]:
+    """GGML type id -> (elements per block, bytes per block), from ``gguf.constants``.
+
+    That module needs only ``enum``; loaded from its file it spares importing
+    the ``gguf`` package (numpy and the rest: half a second, more on a busy
+    machine), which matters for a check meant to answer at once.
+    """
+    spec = importlib.util.find_spec("gguf")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    constants = None
+    for location in locations:
+        path = Path(location) / "constants.py"
+        if path.is_file():
+            file_spec = importlib.util.spec_from_file_location("_aioengine_gguf_constants", path)
+            if file_spec is not None and file_spec.loader is not None:
+                constants = importlib.util.module_from_spec(file_spec)
+                file_spec.loader.exec_module(constants)
+                break
+    if constants is None:
+        import gguf.constants as constants
+    return {int(t): sizes for t, sizes in constants.GGML_QUANT_SIZES.items()}
 
 
 def gguf_shape(header: GGUFHeader, path: str | Path) -> ModelShape:
