@@ -204,7 +204,9 @@ def _cuda_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> 
         return out if bias is None else out + bias
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight.to(x.dtype), bias)
-    return dequant_matmul(x, weight.data, weight.qtype, weight.shape, bias)
+    out = dequant_matmul(x.reshape(-1, x.shape[-1]), weight.data, weight.qtype, weight.shape,
+                         bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
