@@ -201,6 +201,12 @@ def _conversation(page) -> list[tuple[str, str]]:
     return [tuple(p) for p in pairs]
 
 
+def _wait_settled(page) -> None:
+    """Until no answer is streaming (the stub's answers arrive at once)."""
+    page.wait_for_function("() => !document.querySelector('.msg.streaming')"
+                           " && !document.getElementById('send').hidden", timeout=10_000)
+
+
 def _titles(page) -> list[str]:
     return page.locator("#conv-list .conv-open").all_inner_texts()
 
@@ -379,8 +385,13 @@ def test_keyboard_and_narrow_screen(server, chat: ChatPage):
     assert chat.page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
     ARTIFACTS.mkdir(exist_ok=True)
     chat.page.screenshot(path=str(ARTIFACTS / "web_narrow.png"))
+    # The conversation list folds the same way, one panel open at a time.
+    chat.page.click("#toggle-history")
+    assert chat.page.is_visible("#history") and chat.page.is_hidden("#side")
+    assert chat.page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    chat.page.click("#toggle-history")
+    assert chat.page.is_hidden("#history")
     # The New chat button also works from the keyboard.
-    chat.page.click("#toggle-side")
     chat.page.focus("#new-chat")
     chat.page.keyboard.press("Enter")
     assert chat.page.is_visible("#empty")
@@ -435,6 +446,8 @@ def test_markdown_answer_renders_list_and_code_block_while_streaming(server, cha
     chat.page.wait_for_function(
         "() => document.querySelector('button.copy-code').textContent === 'Copied'")
     assert chat.page.evaluate("navigator.clipboard.readText()") == CODE
+    ARTIFACTS.mkdir(exist_ok=True)
+    chat.page.screenshot(path=str(ARTIFACTS / "web_markdown.png"))
     assert not chat.errors and not chat.dialogs
 
 
@@ -586,8 +599,7 @@ def test_regenerate_replaces_the_answer_and_edit_resends(server, chat: ChatPage)
     stub.answers.append("Second answer.")
     chat.last_answer().locator("[data-action=regenerate]").click()
     request = stub.wait_requests(2)
-    page.wait_for_function("() => document.querySelector('.msg.assistant[data-finish]')"
-                           "?.textContent.includes('Second answer.')")
+    _wait_settled(page)
     assert request["messages"] == [{"role": "user", "content": "Tell me a joke"}]
     assert _conversation(page) == [("user", "Tell me a joke"), ("assistant", "Second answer.")]
     page.reload()
@@ -601,8 +613,7 @@ def test_regenerate_replaces_the_answer_and_edit_resends(server, chat: ChatPage)
     page.click(".edit-send")
     request = stub.wait_requests(3)
     assert request["messages"] == [{"role": "user", "content": "Tell me a riddle"}]
-    page.wait_for_function("() => document.querySelector('.msg.assistant[data-finish]')"
-                           "?.textContent.includes('Third answer.')")
+    _wait_settled(page)
     assert _conversation(page) == [("user", "Tell me a riddle"), ("assistant", "Third answer.")]
     assert _titles(page) == ["Tell me a joke"]
 
