@@ -113,6 +113,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("AIOENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env AIOENGINE_API_KEY)")
+    g.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="YAML or JSON list of API keys (or their sha256), each with a name "
+                        "and optional requests/tokens per minute, concurrent requests and "
+                        "allowed models (docs/quotas.md); works with --api-key")
+    g.add_argument("--quota-window-seconds", type=float, default=60.0,
+                   help=argparse.SUPPRESS)  # the per-minute limits' period; tests shorten it
     g.add_argument("--max-body-mib", type=float, default=8.0,
                    help="largest HTTP request body in MiB (413 beyond)")
     g.add_argument("--max-ws-requests", type=int, default=16,
@@ -153,7 +159,8 @@ def run_serve(args: argparse.Namespace) -> None:
     from aioengine.entrypoints.server import build_app
 
     origins = [o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()]
-    app = build_app(config, api_key=args.api_key,
+    app = build_app(config, api_key=args.api_key, api_keys=args.api_keys,
+                    quota_window_s=args.quota_window_seconds,
                     max_body_bytes=int(args.max_body_mib * (1 << 20)),
                     max_ws_requests=args.max_ws_requests, web_dir=args.web_dir,
                     allowed_origins=origins)
@@ -207,10 +214,20 @@ def _check_serve_args(args: argparse.Namespace):
     for flag, value, ok in (("--drain-timeout", args.drain_timeout, args.drain_timeout >= 0),
                             ("--max-body-mib", args.max_body_mib, args.max_body_mib > 0),
                             ("--max-ws-requests", args.max_ws_requests,
-                             args.max_ws_requests >= 1)):
+                             args.max_ws_requests >= 1),
+                            ("--quota-window-seconds", args.quota_window_seconds,
+                             args.quota_window_seconds > 0)):
         if not ok:
             sys.exit(f"aioengine: error: {flag} {value:g} is out of range "
                      f"(see aioengine serve --help)")
+    args.api_keys = None
+    if args.api_keys_file:
+        from aioengine.entrypoints.quotas import load_api_keys
+
+        try:
+            args.api_keys = load_api_keys(args.api_keys_file)
+        except (OSError, ValueError) as exc:
+            sys.exit(f"aioengine: error: --api-keys-file: {exc}")
     try:
         return bind_socket(args.host, args.port)
     except StartupError as exc:

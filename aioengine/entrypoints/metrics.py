@@ -12,7 +12,9 @@ Two sources, one registry per server:
 Names follow vLLM's (``vllm:num_requests_running`` is
 ``aioengine:num_requests_running`` here, with the same ``model_name`` label
 and the same histogram buckets) so existing dashboards map over. Counters get
-prometheus_client's ``_total`` suffix, as vLLM's do.
+prometheus_client's ``_total`` suffix, as vLLM's do. With API keys, per-key
+counters (``aioengine:api_key_*``) are labelled by the key's name from
+``--api-keys-file`` (``default`` for ``--api-key``), never by the key.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from prometheus_client.core import (
 )
 
 from aioengine.engine.async_engine import AsyncEngine
+from aioengine.entrypoints.quotas import QuotaManager
 
 # (EngineStats field, metric name, help, is_counter)
 _STATS_METRICS = [
@@ -90,18 +93,54 @@ class _StatsCollector:
         yield restarts
 
 
+class _QuotaCollector:
+    """Per-API-key counters, labelled by the key's ``name`` (never the key)."""
+
+    def __init__(self, quotas: QuotaManager) -> None:
+        self.quotas = quotas
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["key_name"]
+        requests = CounterMetricFamily("aioengine:api_key_requests",
+                                       "Requests admitted for the API key.", labels=labels)
+        prompt = CounterMetricFamily("aioengine:api_key_prompt_tokens",
+                                     "Prompt tokens of the key's admitted requests.",
+                                     labels=labels)
+        generation = CounterMetricFamily("aioengine:api_key_generation_tokens",
+                                         "Tokens generated for the key's requests.",
+                                         labels=labels)
+        running = GaugeMetricFamily("aioengine:api_key_requests_running",
+                                    "The key's requests in flight.", labels=labels)
+        rejected = CounterMetricFamily(
+            "aioengine:api_key_rejected_requests",
+            "Requests refused for the key: reason requests / tokens (per-minute limits, "
+            "429), concurrency (429), model (not allowed, 404).",
+            labels=[*labels, "reason"])
+        for state in self.quotas.keys:
+            requests.add_metric([state.name], state.num_requests)
+            prompt.add_metric([state.name], state.num_prompt_tokens)
+            generation.add_metric([state.name], state.num_generation_tokens)
+            running.add_metric([state.name], state.running)
+            for reason in ("requests", "tokens", "concurrency", "model"):
+                rejected.add_metric([state.name, reason], state.num_rejected.get(reason, 0))
+        yield from (requests, prompt, generation, running, rejected)
+
+
 class EngineMetrics:
     """The Prometheus registry of one server; also the engine's ``LatencyObserver``.
 
     Args:
         engine: a started ``AsyncEngine``; this object installs itself as
             its ``latency_observer``.
+        quotas: the server's API keys, for the per-key counters (``api_key_*``).
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, quotas: QuotaManager | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         model_name = engine.served_model_name
         self.registry.register(_StatsCollector(engine, model_name))
+        if quotas is not None:
+            self.registry.register(_QuotaCollector(quotas))
 
         def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"aioengine:{name}", help_text, ["model_name"], buckets=buckets,

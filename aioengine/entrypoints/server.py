@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import time
@@ -72,6 +71,7 @@ from aioengine.entrypoints.protocol import (
     make_usage,
     parse_request,
 )
+from aioengine.entrypoints.quotas import WINDOW_S, APIKeySpec, QuotaManager
 from aioengine.entrypoints.serving import OpenAIServing, RequestGroup
 from aioengine.sampling_params import CompletionOutput
 
@@ -133,28 +133,48 @@ async def _internal_error_handler(request: Request, exc: Exception) -> Response:
     return error_response(APIError(500, "internal server error", None, "internal_error"))
 
 
+API_KEY_SCOPE = "aioengine.api_key"
+"""Where ``APIKeyMiddleware`` leaves the caller's ``quotas.KeyState`` in the ASGI scope."""
+
+
 class APIKeyMiddleware:
-    """401 for HTTP requests to protected paths without ``Authorization: Bearer KEY``.
+    """401 for HTTP requests to protected paths without ``Authorization: Bearer KEY``
+    naming a configured key (``--api-key`` or ``--api-keys-file``); the key's
+    ``KeyState`` goes into ``scope[API_KEY_SCOPE]`` for its limits.
 
     WebSockets authenticate in their own protocol (query parameter or an
     ``auth`` message), since browsers cannot set headers on them.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, quotas: QuotaManager) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.quotas = quotas
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
             token = bearer_token(dict(scope["headers"]).get(b"authorization"))
-            if token is None or not hmac.compare_digest(token.encode("latin-1"),
-                                                        self.expected):
+            state = self.quotas.authenticate(token)
+            if state is None:
                 response = error_response(APIError(
                     401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                     None, "invalid_api_key"))
                 await response(scope, receive, send)
                 return
+            scope[API_KEY_SCOPE] = state
         await self.app(scope, receive, send)
+
+
+def _admit(request: Request, group: RequestGroup, model: str | None,
+           prompt_tokens: int) -> None:
+    """Hold the caller's key quota for this API request (released by ``group.close()``).
+
+    Raises:
+        APIError: 404 model not allowed for the key, 429 over one of its limits.
+    """
+    state = request.scope.get(API_KEY_SCOPE)
+    if state is not None:
+        group.lease = request.app.state.quotas.admit(
+            state, model or group.serving.model_name, prompt_tokens)
 
 
 class BodySizeLimitMiddleware:
@@ -305,7 +325,12 @@ async def chat_completions(request: Request) -> Response:
     params = serving.sampling_params(req, len(prompt_ids))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = RequestGroup(serving)
-    group.add(serving.add_request(request_id, prompt_ids, params, req))
+    try:
+        _admit(request, group, req.model, len(prompt_ids))
+        group.add(serving.add_request(request_id, prompt_ids, params, req))
+    except APIError:
+        group.close()
+        raise
     if req.stream:
         return SSEResponse(_chat_stream(serving, req, request_id, params.n, len(prompt_ids),
                                         group), group)
@@ -390,6 +415,7 @@ async def completions(request: Request) -> Response:
     plan = [(ids, text, serving.sampling_params(req, len(ids))) for ids, text in prompts]
     group = RequestGroup(serving)
     try:
+        _admit(request, group, req.model, sum(len(ids) for ids, _, _ in plan))
         for i, (ids, _, params) in enumerate(plan):
             engine_id = request_id if len(plan) == 1 else f"{request_id}-{i}"
             group.add(serving.add_request(engine_id, ids, params, req))
@@ -597,7 +623,9 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               max_ws_requests: int = DEFAULT_MAX_WS_REQUESTS,
               web_dir: str | Path | None = None,
-              allowed_origins: list[str] | None = None) -> Starlette:
+              allowed_origins: list[str] | None = None,
+              api_keys: list[APIKeySpec] | None = None,
+              quota_window_s: float = WINDOW_S) -> Starlette:
     """The Starlette app; its lifespan starts and stops the engine (then
     ``app.state.serving`` is the ``OpenAIServing`` and ``app.state.load_time``
     the engine's load time in seconds; if the start fails, the exception is
@@ -617,6 +645,10 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
             ``"*"``) allowed cross-origin: CORS headers for them, and their
             WebSocket handshakes. None or empty: CORS off, WebSockets only
             from this server's own pages or from non-browser clients.
+        api_keys: keys with their own limits (``quotas.load_api_keys``); with
+            ``api_key`` too, that one is the key ``default``, without limits.
+        quota_window_s: the period of the per-minute limits (seconds; tests
+            shorten it).
     """
     from aioengine.engine.async_engine import AsyncEngine
     from aioengine.entrypoints.metrics import EngineMetrics
@@ -635,7 +667,7 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
             logger.debug("the engine failed to start", exc_info=True)
             raise
         app.state.serving = OpenAIServing(engine)
-        app.state.metrics = EngineMetrics(engine)
+        app.state.metrics = EngineMetrics(engine, app.state.quotas)
         app.state.load_time = time.perf_counter() - t0
         try:
             yield
@@ -670,8 +702,12 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
                                      allow_headers=["Authorization", "Content-Type"],
                                      max_age=600))
     middleware.append(Middleware(WebSocketOriginMiddleware, allowed_origins=origins))
+    specs = list(api_keys or [])
     if api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=api_key))
+        specs.append(APIKeySpec.from_key("default", api_key))
+    quotas = QuotaManager(specs, quota_window_s) if specs else None
+    if quotas is not None:
+        middleware.append(Middleware(APIKeyMiddleware, quotas=quotas))
     middleware.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes))
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan,
@@ -679,5 +715,6 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
                             ClientDisconnect: _client_disconnect_handler,
                             Exception: _internal_error_handler})
     app.state.api_key = api_key
+    app.state.quotas = quotas
     app.state.max_ws_requests = max_ws_requests
     return app

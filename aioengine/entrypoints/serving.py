@@ -266,6 +266,10 @@ class RequestGroup:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
         self.streams: list[RequestStream] = []
+        # The API key's hold (quotas.QuotaLease), released at close() with the
+        # completion tokens this group produced.
+        self.lease = None
+        self._num_tokens: dict[tuple[int, int], int] = {}
 
     def add(self, stream: RequestStream) -> None:
         self.streams.append(stream)
@@ -279,15 +283,23 @@ class RequestGroup:
         for stream in self.streams:
             if not stream.finished:
                 self.serving.abort(stream.request_id)
+        if self.lease is not None:
+            self.lease.release(sum(self._num_tokens.values()))
+
+    def _count(self, index: int, output: RequestOutput) -> None:
+        for c in output.outputs:
+            self._num_tokens[index, c.index] = len(c.token_ids)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
             if len(self.streams) == 1:
                 async for output in self.streams[0]:
+                    self._count(0, output)
                     yield 0, output
                 return
-            async for item in self._merged():
-                yield item
+            async for index, output in self._merged():
+                self._count(index, output)
+                yield index, output
         finally:
             self.close()
 

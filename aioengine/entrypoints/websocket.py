@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import time
@@ -31,6 +30,7 @@ from aioengine.entrypoints.protocol import (
     make_usage,
     parse_object,
 )
+from aioengine.entrypoints.quotas import KeyState, QuotaManager
 from aioengine.entrypoints.serving import OpenAIServing, RequestGroup
 
 logger = logging.getLogger(__name__)
@@ -45,18 +45,20 @@ class WebSocketSession:
     Args:
         websocket: the accepted-to-be socket.
         serving: the API's engine access.
-        api_key: when set, the client must authenticate (``?api_key=``,
-            ``Authorization: Bearer``, or an ``auth`` message) before requests.
+        quotas: the server's keys; when set, the client must authenticate
+            (``?api_key=``, ``Authorization: Bearer``, or an ``auth`` message)
+            before requests, and each request counts against its key's limits.
         max_requests: concurrent requests allowed on this connection.
     """
 
-    def __init__(self, websocket: WebSocket, serving: OpenAIServing, api_key: str | None,
-                 max_requests: int) -> None:
+    def __init__(self, websocket: WebSocket, serving: OpenAIServing,
+                 quotas: QuotaManager | None, max_requests: int) -> None:
         self.ws = websocket
         self.serving = serving
-        self.api_key = api_key
+        self.quotas = quotas
+        self.key: KeyState | None = None
         self.max_requests = max_requests
-        self.authenticated = api_key is None or self._handshake_key_ok()
+        self.authenticated = quotas is None or self._handshake_key_ok()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.stats_task: asyncio.Task[None] | None = None
         self.closing = False
@@ -69,8 +71,11 @@ class WebSocketSession:
         return key is not None and self._key_matches(key)
 
     def _key_matches(self, key: str) -> bool:
-        assert self.api_key is not None
-        return hmac.compare_digest(key.encode(), self.api_key.encode())
+        assert self.quotas is not None
+        state = self.quotas.authenticate(key)
+        if state is not None:
+            self.key = state  # later requests count against this key
+        return state is not None
 
     # -- sending --------------------------------------------------------------------------
     async def send(self, message: dict[str, Any]) -> None:
@@ -78,12 +83,14 @@ class WebSocketSession:
             await self.ws.send_text(json.dumps(message, separators=(",", ":")))
 
     async def send_error(self, message: str, code: int, request_id: str | None = None,
-                         param: str | None = None) -> None:
+                         param: str | None = None, retry_after: float | None = None) -> None:
         body: dict[str, Any] = {"type": "error", "message": message, "code": code}
         if request_id is not None:
             body["id"] = request_id
         if param is not None:
             body["param"] = param
+        if retry_after is not None:
+            body["retry_after"] = max(1, round(retry_after))  # seconds, as Retry-After
         await self.send(body)
 
     # -- the receive loop ------------------------------------------------------------------
@@ -161,7 +168,7 @@ class WebSocketSession:
 
     async def _auth(self, message: dict[str, Any]) -> None:
         key = message.get("api_key")
-        if self.api_key is None or (isinstance(key, str) and self._key_matches(key)):
+        if self.quotas is None or (isinstance(key, str) and self._key_matches(key)):
             self.authenticated = True
             await self.send({"type": "auth_ok"})
         else:
@@ -216,10 +223,14 @@ class WebSocketSession:
                     prompt_ids = prompts[0][0]
                 prompt_len = len(prompt_ids)
                 params = self.serving.sampling_params(req, prompt_len)
+                if self.key is not None and self.quotas is not None:
+                    group.lease = self.quotas.admit(
+                        self.key, req.model or self.serving.model_name, prompt_len)
                 engine_id = f"ws-{id(self):x}-{client_id}"
                 group.add(self.serving.add_request(engine_id, prompt_ids, params, req))
             except APIError as exc:
-                await self.send_error(exc.message, exc.status, client_id, exc.param)
+                await self.send_error(exc.message, exc.status, client_id, exc.param,
+                                      exc.retry_after)
                 return
             try:
                 async for _, out in group:
@@ -283,6 +294,6 @@ class WebSocketSession:
 
 async def websocket_endpoint(websocket: WebSocket) -> None:
     app = websocket.app
-    session = WebSocketSession(websocket, app.state.serving, app.state.api_key,
+    session = WebSocketSession(websocket, app.state.serving, app.state.quotas,
                                app.state.max_ws_requests)
     await session.run()
