@@ -22,8 +22,8 @@ import websockets
 from conftest import ServerInfo, start_server
 
 __all__ = ["Outcome", "ServerInfo", "metric", "own_server", "pid_alive", "rss_kib",
-           "shm_segments", "sse_request", "start_server", "wait_until", "worker_pid",
-           "ws_request"]
+           "shm_segments", "sse_request", "standby_pid", "start_server", "wait_until",
+           "worker_pid", "ws_request"]
 
 
 @contextmanager
@@ -58,14 +58,28 @@ def _children(pid: int) -> list[int]:
 
 
 def worker_pid(server_pid: int) -> int | None:
-    """The model worker among the server's children (not the resource tracker)."""
+    """The serving model worker (rank 0) among the server's children: not the
+    resource tracker, not the standby worker (``worker.process_title``)."""
     for kid in _children(server_pid):
         try:
             cmdline = Path(f"/proc/{kid}/cmdline").read_bytes().replace(b"\0", b" ")
+            comm = Path(f"/proc/{kid}/comm").read_text().strip()
         except OSError:
             continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline \
+                and comm == "aioengine-wrk0":
             return kid
+    return None
+
+
+def standby_pid(server_pid: int) -> int | None:
+    """The server's standby worker (rank 0), if it has one."""
+    for kid in _children(server_pid):
+        try:
+            if Path(f"/proc/{kid}/comm").read_text().strip() == "aioengine-sby0":
+                return kid
+        except OSError:
+            continue
     return None
 
 

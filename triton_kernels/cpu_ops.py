@@ -107,8 +107,37 @@ def _build():
                               extra_ldflags=["-lmvec"], verbose=False)
 
 
+def build_allowed() -> bool:
+    """False when ``AIOENGINE_CPU_KERNELS_BUILD`` is 0: ``load()`` then only imports an
+    existing build and never compiles (or waits on another process's compile). A
+    restarted model worker runs so: a build belongs before the server reports ready."""
+    return os.environ.get("AIOENGINE_CPU_KERNELS_BUILD", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
+def _load_built():
+    """Import the build of the current sources, never compiling.
+
+    Raises:
+        FileNotFoundError: no finished build for this key.
+    """
+    import importlib.machinery
+    import importlib.util
+
+    name = f"aioengine_cpu_ops_{_build_key()}"
+    path = _build_root() / name / f"{name}.so"
+    if not path.is_file():
+        raise FileNotFoundError(f"no build at {path} and building is off here")
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
 def load():
-    """The compiled extension module, or None (switched off, or the build failed)."""
+    """The compiled extension module, or None (switched off, or the build failed, or
+    no build exists and ``build_allowed()`` is false)."""
     global _module, _tried
     if _tried:
         return _module
@@ -117,9 +146,12 @@ def load():
             return _module
         if enabled():
             try:
-                logger.info("loading the C++ CPU kernels (the first build on a machine takes "
-                            "about 30 s)")
-                _module = _build()
+                if build_allowed():
+                    logger.info("loading the C++ CPU kernels (the first build on a machine "
+                                "takes about 30 s)")
+                    _module = _build()
+                else:
+                    _module = _load_built()
                 logger.info("C++ CPU kernels in use: %s", _module.__file__)
             except Exception as exc:  # no compiler, no ninja, a build error: fall back
                 logger.warning("aioengine CPU kernels unavailable, using the torch path: %s",

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from aioengine.config import EngineConfig
 from aioengine.engine.core import EngineCore, EngineStats
-from aioengine.engine.executor import WorkerDiedError, make_executor
+from aioengine.engine.executor import WorkerDiedError, make_executor, make_standby_executor
 from aioengine.ipc.messages import SchedulerOutput
 from aioengine.models.loader import load_tokenizer, model_display_name
 from aioengine.sampling_params import RequestOutput, SamplingParams
@@ -113,6 +113,11 @@ class AsyncEngine:
         self.healthy = False
         self.num_worker_restarts = 0
         self._restart_task: asyncio.Task | None = None
+        # A spare executor (imports done, no model) that replaces a crashed one.
+        self._standby = None
+        self._standby_task: asyncio.Task | None = None
+        # Seconds from each worker's death to serving again, oldest first.
+        self.restart_times: list[float] = []
         self._stopping = False
         self._watched_sentinel: int | None = None
         self.draining = False
@@ -146,6 +151,32 @@ class AsyncEngine:
         self._watch_worker()
         self._step_task = asyncio.get_running_loop().create_task(self._step_loop())
         self.healthy = True
+        if self._standby is None and (self._standby_task is None or self._standby_task.done()):
+            self._standby_task = asyncio.get_running_loop().create_task(self._start_standby())
+
+    async def _start_standby(self) -> None:
+        """Spawn the spare worker (after the first is ready, so the kernel build
+        exists and the two never compete for the CPU during start-up)."""
+        try:
+            standby = await asyncio.to_thread(make_standby_executor, self.config)
+        except Exception:
+            logger.exception("could not start a standby worker; a crash will start a new one")
+            return
+        if self._stopping:
+            if standby is not None:
+                await asyncio.to_thread(standby.shutdown)
+            return
+        self._standby = standby
+
+    async def _take_standby(self):
+        """The spare executor if it is still alive, else None (one that died is shut down)."""
+        if self._standby_task is not None:
+            await asyncio.gather(self._standby_task, return_exceptions=True)
+        standby, self._standby = self._standby, None
+        if standby is not None and not standby.is_alive():
+            await asyncio.to_thread(standby.shutdown)
+            standby = None
+        return standby
 
     # -- worker death and restart ----------------------------------------------------
     def _watch_worker(self) -> None:
@@ -182,12 +213,22 @@ class AsyncEngine:
         self._restart_task = asyncio.get_running_loop().create_task(self._restart_worker())
 
     async def _restart_worker(self) -> None:
+        """Serve again on the standby worker (it loads the model from the mapped
+        file; nothing is imported or built), or on a fresh one if the standby is
+        gone. A restart never compiles kernels."""
+        t_died = time.monotonic()
         old = self.executor
         self._unwatch_worker()
         await asyncio.to_thread(old.shutdown)   # unlinks the old rings
+        standby = await self._take_standby()
         while not self._stopping:
             try:
-                self.executor = await asyncio.to_thread(make_executor, self.config)
+                if standby is not None:
+                    executor, standby = standby, None
+                    self.executor = await asyncio.to_thread(executor.activate)
+                else:
+                    self.executor = await asyncio.to_thread(make_executor, self.config,
+                                                            allow_kernel_build=False)
                 break
             except Exception:
                 logger.exception("worker restart failed; retrying in 1 s")
@@ -196,7 +237,9 @@ class AsyncEngine:
             return
         self.num_worker_restarts += 1
         self._begin_serving()
-        logger.info("worker restarted (%d restarts so far)", self.num_worker_restarts)
+        self.restart_times.append(time.monotonic() - t_died)
+        logger.info("worker restarted in %.2f s (%d restarts so far)", self.restart_times[-1],
+                    self.num_worker_restarts)
 
     @property
     def max_model_len(self) -> int:
@@ -402,3 +445,6 @@ class AsyncEngine:
             self._fail_all("the server is shutting down")
         if self.executor is not None:
             await asyncio.to_thread(self.executor.shutdown)
+        standby = await self._take_standby()
+        if standby is not None:
+            await asyncio.to_thread(standby.shutdown)

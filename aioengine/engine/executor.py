@@ -53,10 +53,21 @@ class InprocExecutor:
         self.runner = None  # type: ignore[assignment]
 
 
-def make_executor(config: EngineConfig):
-    """The executor ``config.parallel.executor`` names."""
+def make_executor(config: EngineConfig, *, allow_kernel_build: bool = True):
+    """The executor ``config.parallel.executor`` names; ``allow_kernel_build``
+    False (a restart) keeps its workers from compiling the C++ kernels."""
     if config.parallel.executor == "inproc":
         return InprocExecutor(config)
     from aioengine.engine.multiproc_executor import MultiprocExecutor
 
-    return MultiprocExecutor(config)
+    return MultiprocExecutor(config, allow_kernel_build=allow_kernel_build)
+
+
+def make_standby_executor(config: EngineConfig):
+    """A spare ``MultiprocExecutor`` (workers spawned, imports under way, no model)
+    to replace a crashed one with ``activate()``; None when the config keeps none."""
+    if config.parallel.executor != "process" or not config.parallel.standby_worker:
+        return None
+    from aioengine.engine.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, standby=True, allow_kernel_build=False)

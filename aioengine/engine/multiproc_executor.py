@@ -34,6 +34,7 @@ import time
 from aioengine.config import EngineConfig
 from aioengine.engine.executor import WorkerDiedError
 from aioengine.ipc.messages import (
+    LoadModel,
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
@@ -107,14 +108,23 @@ class MultiprocExecutor:
             ``ring_in``, ``ring_out``, ``pid`` are rank 0's.
         rank_weight_bytes: each rank's parameter bytes from its handshake.
 
-    Raises (constructor):
+    Args:
+        config: engine settings.
+        standby: spawn the workers but let them stop after their imports; the
+            executor is usable once ``activate()`` returns (``AsyncEngine``
+            keeps one such spare to replace a crashed worker).
+        allow_kernel_build: False for a restart or a standby: the workers never
+            compile the C++ kernels (see ``worker_main``).
+
+    Raises (constructor, and ``activate``):
         ValueError: ``tensor_parallel_size`` does not split the model's heads
             (before anything is spawned).
         WorkerDiedError: a worker failed to load the model or died at start;
             the message carries the tracebacks of the ranks that failed.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, standby: bool = False,
+                 allow_kernel_build: bool = True) -> None:
         check_parallel_config(config)
         self.config = config
         self.tp_size = tp_size = config.parallel.tensor_parallel_size
@@ -133,10 +143,12 @@ class MultiprocExecutor:
             ctx.Process(target=worker_main, name=f"aioengine-worker-{rank}", daemon=True,
                         args=(config, self.rings_in[rank].handle(),
                               self.rings_out[rank].handle(), os.getpid(),
-                              None if dist is None else (rank, *dist)))
+                              None if dist is None else (rank, *dist), standby,
+                              allow_kernel_build))
             for rank in range(tp_size)]
         self.process = self.processes[0]
-        t0 = time.perf_counter()
+        self.standby = standby
+        self._t0 = time.perf_counter()
         with _main_module_hidden():
             for process in self.processes:
                 process.start()
@@ -144,6 +156,31 @@ class MultiprocExecutor:
             self._epoll = select.epoll()
             for process in self.processes:
                 self._epoll.register(process.sentinel, select.EPOLLIN)
+        if not standby:
+            self._finish_start()
+
+    def activate(self) -> MultiprocExecutor:
+        """Make a standby executor serve: its workers load the model now. Blocking
+        (seconds at most: the imports are done); returns ``self``.
+
+        Raises:
+            WorkerDiedError: a worker died while waiting or failed to load; the
+                executor is shut down then.
+        """
+        if not self.standby:
+            return self
+        self.standby = False
+        self._t0 = time.perf_counter()
+        try:
+            for ring in self.rings_in:
+                ring.put(encode(LoadModel()), timeout=1.0)
+        except (BrokenPipeError, EOFError, TimeoutError) as exc:
+            self.shutdown()
+            raise WorkerDiedError(f"the standby worker is gone: {exc!r}") from exc
+        self._finish_start()
+        return self
+
+    def _finish_start(self) -> None:
         try:
             readies = self._handshake()
         except BaseException:
@@ -158,7 +195,7 @@ class MultiprocExecutor:
         self.max_model_len = ready.max_model_len
         self.weight_bytes = ready.weight_bytes
         self.rank_weight_bytes = [r.weight_bytes for r in readies]
-        self.load_time = time.perf_counter() - t0
+        self.load_time = time.perf_counter() - self._t0
 
     def _handshake(self) -> list[WorkerReady]:
         """Every rank's ``WorkerReady``; any rank's failure raises ``WorkerDiedError``

@@ -120,7 +120,12 @@ class WorkerError(msgspec.Struct, array_like=True, tag=5):
     message: str
 
 
-ToWorker = SchedulerOutput | Shutdown
+class LoadModel(msgspec.Struct, array_like=True, tag=6):
+    """Tell a standby worker (started with its imports done, no model yet) to load
+    the model and answer ``WorkerReady``: how a crashed worker is replaced."""
+
+
+ToWorker = SchedulerOutput | Shutdown | LoadModel
 FromWorker = ModelRunnerOutput | WorkerReady | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()
@@ -132,7 +137,7 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_to_worker(data: bytes | memoryview) -> SchedulerOutput | Shutdown:
+def decode_to_worker(data: bytes | memoryview) -> SchedulerOutput | Shutdown | LoadModel:
     return _to_worker_decoder.decode(data)
 
 

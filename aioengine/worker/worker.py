@@ -24,6 +24,7 @@ import traceback
 
 from aioengine.config import EngineConfig
 from aioengine.ipc.messages import (
+    LoadModel,
     Shutdown,
     WorkerError,
     WorkerReady,
@@ -35,6 +36,7 @@ from aioengine.logger import configure_logging
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -47,21 +49,74 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def process_title(rank: int, standby: bool) -> str:
+    """The worker's ``/proc/PID/comm`` (at most 15 bytes): ``aioengine-wrk0``
+    serving, ``aioengine-sby0`` waiting as a standby; ``ps -o comm`` and the
+    tests tell the two apart by it."""
+    return f"aioengine-{'sby' if standby else 'wrk'}{rank}"[:15]
+
+
+def _set_process_title(title: str) -> None:
+    try:
+        ctypes.CDLL("libc.so.6").prctl(_PR_SET_NAME, title.encode(), 0, 0, 0)
+    except OSError:
+        pass
+
+
+def _no_tqdm_semaphore() -> None:
+    """Keep tqdm from creating its ``multiprocessing.RLock`` in this process.
+
+    Every tqdm bar (transformers and gguf print some while loading) creates, once per
+    process, a named POSIX semaphore registered with the resource tracker, which a
+    spawned worker shares with the engine. A SIGKILLed worker never unregisters it,
+    and at shutdown the tracker warned "There appear to be 1 leaked semaphore objects"
+    (one per killed worker). A thread lock is all one process needs.
+    """
+    try:
+        import tqdm.std
+    except ImportError:
+        return
+    tqdm.std.TqdmDefaultWriteLock.mp_lock = None
+
+
+def _prewarm() -> None:
+    """What a standby worker does before it is needed: the imports (torch,
+    the model code, transformers) and the C++ kernels' existing build, i.e. all
+    of a start but reading the weights and allocating the KV cache."""
+    import torch  # noqa: F401
+
+    import aioengine.worker.model_runner  # noqa: F401
+    from triton_kernels import cpu_ops
+
+    cpu_ops.load()
+
+
 # See worker_main; read by libgomp when torch is first imported.
 DEFAULT_GOMP_SPINCOUNT = "10000"
 
 
 def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handle: RingHandle,
-                parent_pid: int, dist: tuple[int, str, int, int] | None = None) -> None:
+                parent_pid: int, dist: tuple[int, str, int, int] | None = None,
+                standby: bool = False, allow_kernel_build: bool = True) -> None:
     """Run until shutdown. Never raises: failures go back as ``WorkerError``.
 
     Args:
         dist: ``(rank, init_method, world_size, num_threads)`` of a
             tensor-parallel rank; None for the single worker.
+        standby: do the imports, then wait for ``LoadModel`` before loading the
+            model (a spare that replaces a crashed worker in well under a second);
+            ``Shutdown`` or the engine closing the ring ends it.
+        allow_kernel_build: False for every worker after the first: the C++
+            kernels come from the existing build or not at all (the torch path,
+            logged), never from a compile during a restart.
     """
     _die_with_parent(parent_pid)
     configure_logging()  # the level ``aioengine serve --log-level`` exported, if any
+    _no_tqdm_semaphore()
     rank = 0 if dist is None else dist[0]
+    _set_process_title(process_title(rank, standby))
+    if not allow_kernel_build:
+        os.environ["AIOENGINE_CPU_KERNELS_BUILD"] = "0"  # read by triton_kernels.cpu_ops
     if dist is not None:
         # Before torch is imported: OpenMP reads it once.
         os.environ["OMP_NUM_THREADS"] = str(dist[3])
@@ -79,6 +134,20 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle, ring_out_handl
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ring_in = ShmRing.attach(ring_in_handle)
     ring_out = ShmRing.attach(ring_out_handle)
+    if standby:
+        try:
+            _prewarm()
+            msg = decode_to_worker(ring_in.get())
+        except EOFError:
+            msg = Shutdown()
+        except BaseException:
+            ring_out.put(encode(WorkerError(traceback.format_exc())))
+            msg = Shutdown()
+        if not isinstance(msg, LoadModel):
+            ring_in.close()
+            ring_out.close()
+            return
+        _set_process_title(process_title(rank, standby=False))
     try:
         import torch
 
