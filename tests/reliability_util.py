@@ -23,7 +23,7 @@ from conftest import ServerInfo, start_server
 
 __all__ = ["Outcome", "ServerInfo", "metric", "own_server", "pid_alive", "rss_kib",
            "shm_segments", "sse_request", "standby_pid", "start_server", "wait_until",
-           "worker_pid", "ws_request"]
+           "worker_pid", "worker_processes", "ws_request"]
 
 
 @contextmanager
@@ -70,6 +70,18 @@ def worker_pid(server_pid: int) -> int | None:
                 and comm == "aioengine-wrk0":
             return kid
     return None
+
+
+def worker_processes(server_pid: int) -> list[int]:
+    """Every model worker of the server, serving or standby (two rings each)."""
+    kids = []
+    for kid in _children(server_pid):
+        try:
+            if Path(f"/proc/{kid}/comm").read_text().startswith("aioengine-") and pid_alive(kid):
+                kids.append(kid)
+        except OSError:
+            continue
+    return kids
 
 
 def standby_pid(server_pid: int) -> int | None:

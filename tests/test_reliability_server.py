@@ -37,6 +37,7 @@ from reliability_util import (
     sse_request,
     wait_until,
     worker_pid,
+    worker_processes,
     ws_request,
 )
 
@@ -536,7 +537,7 @@ def test_worker_sigkill_fails_requests_fast_and_the_server_recovers(rserver):
     old_worker = worker_pid(pid)
     assert old_worker is not None
     old_segments = shm_segments(pid)
-    assert len(old_segments) == 2, old_segments
+    assert len(old_segments) == 2 * len(worker_processes(pid)) == 4, old_segments  # + standby
     before = scrape(rserver)
     long_chat = chat("Write a long story about a lighthouse keeper.", 200)
 
@@ -608,9 +609,12 @@ def test_worker_sigkill_fails_requests_fast_and_the_server_recovers(rserver):
     new_worker = worker_pid(pid)
     assert new_worker not in (None, old_worker)
     assert not pid_alive(old_worker)
+    # The standby took over with its own rings (the killed worker's are unlinked)
+    # and a new standby has its own.
+    assert wait_until(lambda: len(worker_processes(pid)) == 2, timeout=30)
     new_segments = shm_segments(pid)
-    assert not old_segments & new_segments and len(new_segments) == 2, (old_segments,
-                                                                          new_segments)
+    assert len(old_segments - new_segments) == 2 and len(new_segments) == 4, (old_segments,
+                                                                               new_segments)
     after = scrape(rserver)
     assert metric(after, "aioengine:worker_restarts_total") == 1
     assert metric(after, "aioengine:engine_healthy") == 1
@@ -629,7 +633,7 @@ def test_server_sigkill_takes_its_worker_and_segments_with_it(rserver):
     pid = rserver.process.pid
     worker = worker_pid(pid)
     assert worker is not None and pid_alive(worker)
-    assert len(shm_segments(pid)) == 2
+    assert len(shm_segments(pid)) == 2 * len(worker_processes(pid)) == 4
     t0 = time.monotonic()
     rserver.process.kill()
     rserver.process.wait(timeout=30)

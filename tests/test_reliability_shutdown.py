@@ -29,6 +29,7 @@ from reliability_util import (
     sse_request,
     wait_until,
     worker_pid,
+    worker_processes,
     ws_request,
 )
 
@@ -155,7 +156,7 @@ def _check_drain(server: ServerInfo, sig: signal.Signals) -> None:
     pid = server.process.pid
     worker = worker_pid(pid)
     assert worker is not None
-    assert len(shm_segments(pid)) == 2
+    assert len(shm_segments(pid)) == 2 * len(worker_processes(pid)) == 4
     url = server.ws_url_with_key
 
     async def go():

@@ -123,6 +123,25 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="largest HTTP request body in MiB (413 beyond)")
     g.add_argument("--max-ws-requests", type=int, default=16,
                    help="concurrent requests per WebSocket connection")
+    g = p.add_argument_group("connection limits (docs/limits.md)")
+    g.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
+                   help="close an idle keep-alive connection after this (default: %(default)s)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request headers take longer "
+                        "(default: %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="408 when a request body takes longer to arrive (default: %(default)s)")
+    g.add_argument("--limit-concurrency", type=int, default=2048,
+                   help="connections + tasks before new requests get 503 (default: %(default)s)")
+    g.add_argument("--ws-ping-interval", type=float, default=20.0, metavar="SECONDS",
+                   help="WebSocket keepalive ping period (default: %(default)s)")
+    g.add_argument("--ws-ping-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="close a WebSocket that does not answer a ping within this, e.g. "
+                        "one that never reads (default: %(default)s)")
+    g.add_argument("--ws-max-frames-per-s", type=float, default=50.0,
+                   help="a WebSocket's sustained message rate, with bursts of 200; beyond "
+                        "it the socket is closed with 1008 (default: %(default)s)")
+    g = p.add_argument_group("server")
     g.add_argument("--web-dir", default=None,
                    help="folder with the chat page served at / (default: the repo's web/)")
     g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
@@ -159,15 +178,25 @@ def run_serve(args: argparse.Namespace) -> None:
     from aioengine.entrypoints.server import build_app
 
     origins = [o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()]
+    from aioengine.entrypoints.limits import ConnectionLimits, timed_http_protocol
+
+    limits = ConnectionLimits(
+        timeout_keep_alive_s=args.timeout_keep_alive, header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout, limit_concurrency=args.limit_concurrency,
+        ws_ping_interval_s=args.ws_ping_interval, ws_ping_timeout_s=args.ws_ping_timeout,
+        ws_max_frames_per_s=args.ws_max_frames_per_s)
     app = build_app(config, api_key=args.api_key, api_keys=args.api_keys,
-                    quota_window_s=args.quota_window_seconds,
+                    quota_window_s=args.quota_window_seconds, limits=limits,
                     max_body_bytes=int(args.max_body_mib * (1 << 20)),
                     max_ws_requests=args.max_ws_requests, web_dir=args.web_dir,
                     allowed_origins=origins)
     uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, loop="uvloop", http="httptools", lifespan="on",
+        app, host=args.host, port=args.port, loop="uvloop",
+        http=timed_http_protocol(limits.header_timeout_s), lifespan="on",
         log_level=args.log_level, ws_max_size=int(args.max_body_mib * (1 << 20)),
-        timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+        timeout_keep_alive=limits.timeout_keep_alive_s,
+        limit_concurrency=limits.limit_concurrency, ws_ping_interval=limits.ws_ping_interval_s,
+        ws_ping_timeout=limits.ws_ping_timeout_s, timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
     server = GracefulServer(uv_config, app, drain_timeout=args.drain_timeout)
     if args.log_level != "debug":
         # A failed engine start is reported below in one line; uvicorn would log
@@ -216,7 +245,16 @@ def _check_serve_args(args: argparse.Namespace):
                             ("--max-ws-requests", args.max_ws_requests,
                              args.max_ws_requests >= 1),
                             ("--quota-window-seconds", args.quota_window_seconds,
-                             args.quota_window_seconds > 0)):
+                             args.quota_window_seconds > 0),
+                            *((flag, getattr(args, name), getattr(args, name) > 0)
+                              for flag, name in (
+                                  ("--timeout-keep-alive", "timeout_keep_alive"),
+                                  ("--header-timeout", "header_timeout"),
+                                  ("--body-timeout", "body_timeout"),
+                                  ("--limit-concurrency", "limit_concurrency"),
+                                  ("--ws-ping-interval", "ws_ping_interval"),
+                                  ("--ws-ping-timeout", "ws_ping_timeout"),
+                                  ("--ws-max-frames-per-s", "ws_max_frames_per_s")))):
         if not ok:
             sys.exit(f"aioengine: error: {flag} {value:g} is out of range "
                      f"(see aioengine serve --help)")

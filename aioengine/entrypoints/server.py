@@ -71,6 +71,7 @@ from aioengine.entrypoints.protocol import (
     make_usage,
     parse_request,
 )
+from aioengine.entrypoints.limits import BodyReadTimeoutMiddleware, ConnectionLimits
 from aioengine.entrypoints.quotas import WINDOW_S, APIKeySpec, QuotaManager
 from aioengine.entrypoints.serving import OpenAIServing, RequestGroup
 from aioengine.sampling_params import CompletionOutput
@@ -625,7 +626,8 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
               web_dir: str | Path | None = None,
               allowed_origins: list[str] | None = None,
               api_keys: list[APIKeySpec] | None = None,
-              quota_window_s: float = WINDOW_S) -> Starlette:
+              quota_window_s: float = WINDOW_S,
+              limits: ConnectionLimits | None = None) -> Starlette:
     """The Starlette app; its lifespan starts and stops the engine (then
     ``app.state.serving`` is the ``OpenAIServing`` and ``app.state.load_time``
     the engine's load time in seconds; if the start fails, the exception is
@@ -649,6 +651,9 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
             ``api_key`` too, that one is the key ``default``, without limits.
         quota_window_s: the period of the per-minute limits (seconds; tests
             shorten it).
+        limits: connection limits (``limits.ConnectionLimits``; docs/limits.md);
+            the app applies the body timeout and the WebSocket frame rate, the
+            uvicorn config the others.
     """
     from aioengine.engine.async_engine import AsyncEngine
     from aioengine.entrypoints.metrics import EngineMetrics
@@ -709,6 +714,8 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
     if quotas is not None:
         middleware.append(Middleware(APIKeyMiddleware, quotas=quotas))
     middleware.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes))
+    limits = limits or ConnectionLimits()
+    middleware.append(Middleware(BodyReadTimeoutMiddleware, body_timeout_s=limits.body_timeout_s))
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan,
         exception_handlers={APIError: _api_error_handler, HTTPException: _http_exception_handler,
@@ -716,5 +723,6 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
                             Exception: _internal_error_handler})
     app.state.api_key = api_key
     app.state.quotas = quotas
+    app.state.limits = limits
     app.state.max_ws_requests = max_ws_requests
     return app

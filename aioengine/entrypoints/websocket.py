@@ -30,6 +30,7 @@ from aioengine.entrypoints.protocol import (
     make_usage,
     parse_object,
 )
+from aioengine.entrypoints.limits import ConnectionLimits, FrameRateLimiter
 from aioengine.entrypoints.quotas import KeyState, QuotaManager
 from aioengine.entrypoints.serving import OpenAIServing, RequestGroup
 
@@ -100,10 +101,18 @@ class WebSocketSession:
                          "max_model_len": self.serving.max_model_len,
                          "max_concurrent_requests": self.max_requests,
                          "auth_required": not self.authenticated})
+        limits = getattr(self.ws.app.state, "limits", None) or ConnectionLimits()
+        frames = FrameRateLimiter(limits.ws_max_frames_per_s, limits.ws_frame_burst)
         try:
             while True:
                 message = await self.ws.receive()
                 if message["type"] == "websocket.disconnect":
+                    break
+                if not frames.allow():
+                    # A flood would keep the one event loop busy for everyone.
+                    logger.warning("closing a WebSocket over %g frames/s",
+                                   limits.ws_max_frames_per_s)
+                    await self.ws.close(1008, "too many messages")
                     break
                 raw = message.get("text")
                 if raw is None:
