@@ -23,6 +23,8 @@ from aioengine.engine.executor import WorkerDiedError, make_executor
 from aioengine.ipc.messages import SchedulerOutput
 from aioengine.models.loader import load_tokenizer, model_display_name
 from aioengine.sampling_params import RequestOutput, SamplingParams
+from aioengine.structured.manager import StructuredOutputManager
+from aioengine.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ class AsyncEngine:
         self.latency_observer: LatencyObserver | None = None
         self._retired_stats = dict.fromkeys(_CUMULATIVE_STATS, 0)
         self._retired_max_reqs_in_step = 0
+        self.structured_output_manager: StructuredOutputManager | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -141,8 +144,11 @@ class AsyncEngine:
                 self._retired_stats[name] += getattr(old, name)
             self._retired_max_reqs_in_step = max(self._retired_max_reqs_in_step,
                                                  old.max_reqs_in_step)
+        if self.structured_output_manager is None:
+            self.structured_output_manager = StructuredOutputManager(
+                self.tokenizer, len(self.tokenizer), self.tokenizer.eos_token_id)
         self.core = EngineCore(self.config, self.tokenizer, self.executor.num_blocks,
-                               self.executor.max_model_len)
+                               self.executor.max_model_len, self.structured_output_manager)
         self._watch_worker()
         self._step_task = asyncio.get_running_loop().create_task(self._step_loop())
         self.healthy = True
@@ -248,6 +254,17 @@ class AsyncEngine:
         if self.core is not None:
             self.core.abort_request(request_id)
 
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a constraint in the grammar thread (cached), so the request
+        that uses it is scheduled without waiting and a bad one is refused
+        before it is queued.
+
+        Raises:
+            GrammarError: the grammar library cannot compile it.
+        """
+        assert self.structured_output_manager is not None
+        await self.structured_output_manager.compile_async(params)
+
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < 2048:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -324,6 +341,11 @@ class AsyncEngine:
             t0 = time.perf_counter()
             so = core.schedule()
             if so.num_reqs == 0 and not so.finished_req_ids:
+                pending = core.pending_grammars()
+                if pending:  # only requests whose grammar still compiles: wait for one
+                    await asyncio.wait([asyncio.wrap_future(f) for f in pending],
+                                       timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 # Nothing fits right now (should not happen with a valid cache size).
                 await asyncio.sleep(0)
                 continue
@@ -402,3 +424,5 @@ class AsyncEngine:
             self._fail_all("the server is shutting down")
         if self.executor is not None:
             await asyncio.to_thread(self.executor.shutdown)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
