@@ -271,16 +271,18 @@ class AsyncEngine:
         return await asyncio.to_thread(self.tokenizer.encode, text,
                                        add_special_tokens=add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
-                                  ) -> list[int]:
-        """Token ids of a conversation under the model's own chat template.
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation under the model's own chat template
+        (``tools``: OpenAI tool entries, for a template that renders them).
 
         Raises:
             ValueError: the template rejects the messages.
         """
         def render() -> list[int]:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                tools=tools)
             return self.tokenizer.encode(text, add_special_tokens=False)
 
         try:
