@@ -71,11 +71,16 @@ class ModelRunner:
         hf_config = load_hf_config(path)
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.max_model_len = resolve_max_model_len(config, hf_config)
-        weights = load_weights(path, hf_config, self.dtype)
+        weights = load_weights(path, hf_config, self.dtype, config.model.quantization)
+        t_weights = time.perf_counter() - t0
         # Build (first run on a machine) or load the C++ CPU kernels now rather than in
         # the first request's step; None means the torch path, which is logged.
         cpu_ops.load()
         self.model = LlamaForCausalLM(self.arch, weights, self.dtype, self.max_model_len + 1)
+        formats = ", ".join(f"{k} x{v}" for k, v in self.model.weight_formats().items())
+        logger.info("weights: %s (%.1f MB%s), loaded in %.2f s", formats,
+                    self.model.parameter_bytes() / 1e6,
+                    ", mapped from the file" if path.endswith(".gguf") else "", t_weights)
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()
         if self.model.tp_size > 1:
