@@ -42,6 +42,20 @@ class CachedRequestState:
     generator: torch.Generator
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages are not touched until written.
+
+    ``torch.zeros`` writes every byte, so a 1 GiB KV cache is resident from the start.
+    numpy's zeros is ``calloc``, which for large sizes maps fresh zero pages from the
+    kernel: the cache then costs memory as blocks are first written, not up front.
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.finfo(dtype).bits // 8
+    return torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
     requested = config.model.max_model_len
@@ -87,8 +101,8 @@ class ModelRunner:
             # The one central block manager needs the same count on every rank.
             self.num_blocks = tp.all_reduce_min(self.num_blocks)
         a = self.model.arch
-        self.kv_cache = torch.zeros(a.num_layers, 2, self.num_blocks, self.block_size,
-                                    a.num_kv_heads, a.head_dim, dtype=self.dtype)
+        self.kv_cache = lazy_zeros((a.num_layers, 2, self.num_blocks, self.block_size,
+                                    a.num_kv_heads, a.head_dim), self.dtype)
         self.max_blocks_per_seq = -(-(self.max_model_len + 1) // self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows: list[int] = []
