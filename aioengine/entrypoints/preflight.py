@@ -1,5 +1,6 @@
-"""Checks ``aioengine serve`` runs before any heavy work, so a bad start ends
-in well under a second with one line on stderr and exit code 1.
+"""Checks ``aioengine serve`` (and ``generate``, ``chat``) runs before any heavy
+work, so a bad start ends in well under a second with one line on stderr and
+exit code 1.
 
 What is checked, each from cheap reads only (no torch, no transformers, no
 weights): the model file is a readable regular file, a GGUF file whose
