@@ -9,7 +9,9 @@ with finite scales for the K-quants), shapes tiny and odd so that every kernel r
 several programs with masked edges; activations are fp32 (the interpreter mis-computes
 tl.dot on bf16).
 
-The ``gpu`` tests run the compiled kernels in fp16, bf16 and fp32.
+Without a GPU, ``test_kernels_compile_for_sm90`` still takes every format's kernels
+through Triton's NVIDIA backend to an sm_90 cubin (the bundled ptxas); the ``gpu`` tests
+run the compiled kernels in fp16, bf16 and fp32.
 """
 
 from __future__ import annotations
