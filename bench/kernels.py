@@ -18,9 +18,24 @@ new query token, and the script measures:
 Peak bandwidth: ``--peak-gbps`` if given, else the device's memory clock and bus
 width when torch reports them, else a measured device-to-device copy.
 
+With ``--quantized``, the dequantizing matmul instead
+(``triton_kernels.quant_triton.dequant_matmul``): for each GGML format, weight shape
+``N x K`` and row count ``M``, with activations in ``--dtype``:
+
+- ``fused_ms``: the fused kernel (packed weight tiles decoded in registers, ``tl.dot``);
+- ``deq_gemm_ms``: Triton ``dequantize`` into ``--dtype`` then ``F.linear`` (cuBLAS);
+- ``auto``: the path ``dequant_matmul`` picks for this M;
+- ``dense_ms``: ``F.linear`` on a dense weight in ``--dtype`` (what the format saves);
+- ``bw_fraction``: the packed weight's bytes plus x and y over ``fused_ms``, as a
+  fraction of peak memory bandwidth (the bound that matters for decode);
+- ``max_err``: max |fused - F.linear on the dequantized weight| / max |reference|.
+
 Usage: python bench/kernels.py [--batches 1,4,16,64,256] [--contexts 512,...,32768]
        [--num-heads 32 --num-kv-heads 8 --head-dim 128] [--dtype bfloat16]
-Prints a table; writes bench/results/kernels.json and bench/results/kernels.png.
+       python bench/kernels.py --quantized [--formats Q4_K,Q8_0,...] [--rows 1,16,256]
+       [--weight-shapes 4096x4096,14336x4096]
+Prints a table; writes bench/results/kernels.json and bench/results/kernels.png
+(``--quantized``: bench/results/kernels_quantized.json).
 Needs a CUDA GPU; exits with a message otherwise.
 """
 
@@ -59,7 +74,22 @@ def parse_args() -> argparse.Namespace:
                    help="skip shapes whose paged cache plus its contiguous copy (2x the K/V "
                         "bytes) exceed this share of free GPU memory")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    q = p.add_argument_group("--quantized: the GGML-format dequantizing matmul")
+    q.add_argument("--quantized", action="store_true",
+                   help="benchmark triton_kernels.quant_triton.dequant_matmul instead")
+    q.add_argument("--formats", type=lambda t: t.split(","),
+                   default=["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                            "F16", "BF16"])
+    q.add_argument("--rows", type=_int_list, default=[1, 4, 16, 64, 256],
+                   help="M, the activation rows (tokens in the batch)")
+    q.add_argument("--weight-shapes", type=_shape_list,
+                   default=[(4096, 4096), (14336, 4096), (4096, 14336)],
+                   help="N x K weights, comma-separated (default: Llama-3-8B's projections)")
     return p.parse_args()
+
+
+def _shape_list(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(d) for d in item.split("x")) for item in text.split(",")]
 
 
 def peak_bandwidth_gbps(device: torch.device, override: float | None) -> tuple[float, str]:
@@ -196,14 +226,82 @@ def plot(rows: list[dict], peak_gbps: float, title: str, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def bench_quantized_one(qtype_name: str, m: int, n: int, k: int, dtype: torch.dtype,
+                        device: torch.device) -> dict:
+    """One row of the ``--quantized`` table (see the module docstring)."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from triton_kernels.quant import GGMLQuantizationType, QuantizedWeight
+    from triton_kernels.quant_triton import (DEQUANT_THEN_GEMM_MIN_M, dequant_matmul,
+                                             random_weight)
+
+    qtype = GGMLQuantizationType[qtype_name]
+    data = random_weight(qtype, n, k).to(device)
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    fused = functools.partial(dequant_matmul, x, data, qtype, (n, k), method="fused")
+    two_step = functools.partial(dequant_matmul, x, data, qtype, (n, k), method="dequantize")
+    dense = QuantizedWeight(data, qtype, (n, k)).dequantize(dtype)
+    out = fused()
+    expected = F.linear(x.float(), dense.float())
+    fused_ms, deq_gemm_ms = do_bench(fused), do_bench(two_step)
+    dense_ms = do_bench(functools.partial(F.linear, x, dense))
+    elem = torch.finfo(dtype).bits // 8
+    moved = data.numel() + (m * k + m * n) * elem
+    return {
+        "format": qtype_name, "m": m, "n": n, "k": k, "weight_bytes": data.numel(),
+        "fused_ms": fused_ms, "deq_gemm_ms": deq_gemm_ms, "dense_ms": dense_ms,
+        "auto": "dequantize" if m >= DEQUANT_THEN_GEMM_MIN_M else "fused",
+        "fused_gbps": moved / (fused_ms * 1e-3) / 1e9,
+        "max_rel_err": ((out.float() - expected).abs().max()
+                        / expected.abs().max().clamp_min(1e-30)).item(),
+    }
+
+
+def print_quantized_table(rows: list[dict], peak_gbps: float) -> None:
+    print(f"{'format':>6} {'M':>5} {'N x K':>12} {'fused ms':>9} {'GB/s':>7} {'of peak':>8} "
+          f"{'deq+gemm':>9} {'dense ms':>9} {'auto':>10} {'max err':>8}")
+    for r in rows:
+        print(f"{r['format']:>6} {r['m']:>5} {str(r['n']) + 'x' + str(r['k']):>12} "
+              f"{r['fused_ms']:>9.4f} {r['fused_gbps']:>7.0f} "
+              f"{r['fused_gbps'] / peak_gbps:>8.1%} {r['deq_gemm_ms']:>9.4f} "
+              f"{r['dense_ms']:>9.4f} {r['auto']:>10} {r['max_rel_err']:>8.1e}")
+
+
+def main_quantized(args: argparse.Namespace, device: torch.device, peak_gbps: float,
+                   peak_source: str) -> None:
+    import triton
+
+    dtype = getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name(device)
+    print(f"{name}: peak {peak_gbps:.0f} GB/s ({peak_source}); dequant_matmul, x {args.dtype}")
+    rows = [bench_quantized_one(fmt, m, n, k, dtype, device) for fmt in args.formats
+            for n, k in args.weight_shapes for m in args.rows]
+    print_quantized_table(rows, peak_gbps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "device": name, "peak_gbps": peak_gbps, "peak_source": peak_source,
+        "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "dtype": args.dtype, "rows": rows,
+    }
+    path = args.out / "kernels_quantized.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py measures the Triton decode kernel and needs a CUDA GPU; "
+        what = ("the quantized Triton matmul" if args.quantized
+                else "the Triton decode kernel")
+        sys.exit(f"bench/kernels.py measures {what} and needs a CUDA GPU; "
                  "torch.cuda.is_available() is False on this machine.")
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     peak_gbps, peak_source = peak_bandwidth_gbps(device, args.peak_gbps)
+    if args.quantized:
+        main_quantized(args, device, peak_gbps, peak_source)
+        return
     name = torch.cuda.get_device_name(device)
     print(f"{name}: peak {peak_gbps:.0f} GB/s ({peak_source}); heads {args.num_heads}/"
           f"{args.num_kv_heads} kv, head_dim {args.head_dim}, block {args.block_size}, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -91,20 +92,24 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _engine_config(args: argparse.Namespace):
+    """The ``EngineConfig`` of the flags, its model file checked (``preflight``);
+    any problem exits at once with one line and status 1."""
     from aioengine.config import EngineConfig
+    from aioengine.entrypoints.preflight import StartupError, check_model
 
     try:
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
+        check_model(config)  # before anything heavy: the model file, the KV cache size
         from aioengine.models.loader import inspect_model
 
-        m = config.model  # a non-GGUF, corrupt or unsupported file: one line, no traceback
+        m = config.model  # every tensor's format and name, the quantization flag: one line too
         inspect_model(m.model_path, m.quantization, m.dtype)
         if config.parallel.tensor_parallel_size > 1:
             from aioengine.engine.multiproc_executor import check_parallel_config
 
             check_parallel_config(config)  # refuse a size the heads cannot split over
         return config
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, StartupError) as exc:
         sys.exit(f"aioengine: error: {exc}")
 
 
@@ -139,20 +144,22 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    from aioengine.logger import configure_logging
+
+    configure_logging(args.log_level)  # ours and, through the environment, the workers'
+    sock = _check_serve_args(args)  # bad starts end here, before the imports below
+    config = _engine_config(args)
+
     import asyncio
     import time
 
     from rich.console import Console
 
-    from aioengine.logger import configure_logging
-
-    configure_logging(args.log_level)  # ours and, through the environment, the workers'
     console = Console(stderr=True, soft_wrap=True)
-    config = _engine_config(args)
     from aioengine.models.loader import inspect_model
 
     m = config.model
-    info = inspect_model(m.model_path, m.quantization, m.dtype)
+    info = inspect_model(m.model_path, m.quantization, m.dtype)  # the header read is cached
     console.print(f"[bold]aioengine[/] loading {m.model_path} ({info.describe()}; "
                   f"dtype={m.dtype}, executor={config.parallel.executor}) ...")
 
@@ -161,8 +168,6 @@ def run_serve(args: argparse.Namespace) -> None:
     from aioengine.entrypoints.lifecycle import FLUSH_TIMEOUT_S, GracefulServer
     from aioengine.entrypoints.server import build_app
 
-    if args.drain_timeout < 0:
-        sys.exit("aioengine: error: --drain-timeout must be >= 0")
     origins = [o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()]
     app = build_app(config, api_key=args.api_key,
                     max_body_bytes=int(args.max_body_mib * (1 << 20)),
@@ -173,10 +178,22 @@ def run_serve(args: argparse.Namespace) -> None:
         log_level=args.log_level, ws_max_size=int(args.max_body_mib * (1 << 20)),
         timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
     server = GracefulServer(uv_config, app, drain_timeout=args.drain_timeout)
+    if args.log_level != "debug":
+        # A failed engine start is reported below in one line; uvicorn would log
+        # the traceback and "Application startup failed" on top of it.
+        logging.getLogger("uvicorn.error").addFilter(
+            lambda record: getattr(app.state, "startup_error", None) is None)
     t0 = time.perf_counter()
 
+    async def serve_until_exit() -> None:
+        try:
+            await server.serve(sockets=[sock])
+        except SystemExit:  # uvicorn's exit on a failed lifespan startup
+            if getattr(app.state, "startup_error", None) is None:
+                raise
+
     async def serve() -> None:
-        task = asyncio.ensure_future(server.serve())
+        task = asyncio.ensure_future(serve_until_exit())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
@@ -188,8 +205,39 @@ def run_serve(args: argparse.Namespace) -> None:
 
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
         runner.run(serve())
+    error = getattr(app.state, "startup_error", None)
+    if error is not None:
+        sys.exit(f"aioengine: error: the engine failed to start: {one_line(error)}")
     if not server.started:
         sys.exit(1)
+
+
+def _check_serve_args(args: argparse.Namespace):
+    """Check the server flags and bind the listening socket (before the model loads).
+
+    Returns:
+        the bound socket, for uvicorn.
+    """
+    from aioengine.entrypoints.preflight import StartupError, bind_socket
+
+    for flag, value, ok in (("--drain-timeout", args.drain_timeout, args.drain_timeout >= 0),
+                            ("--max-body-mib", args.max_body_mib, args.max_body_mib > 0),
+                            ("--max-ws-requests", args.max_ws_requests,
+                             args.max_ws_requests >= 1)):
+        if not ok:
+            sys.exit(f"aioengine: error: {flag} {value:g} is out of range "
+                     f"(see aioengine serve --help)")
+    try:
+        return bind_socket(args.host, args.port)
+    except StartupError as exc:
+        sys.exit(f"aioengine: error: {exc}")
+
+
+def one_line(exc: BaseException) -> str:
+    """The last non-empty line of an exception's message (a worker's error carries
+    its whole traceback as text)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 # -- generate ----------------------------------------------------------------------------------
@@ -242,8 +290,16 @@ SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
 }
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line with exit status 1, as every
+    other bad start (argparse's own: usage text, then status 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        sys.exit(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="aioengine", description="An asyncio LLM serving engine (paged KV cache, prefix "
                                       "caching, continuous batching, OpenAI API).")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -80,7 +80,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_WS_REQUESTS = 16
-DEFAULT_WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+# The chat page: web/ of the repository (a checkout or an editable install),
+# else the copy a wheel installs as aioengine/web (pyproject's package-dir).
+_REPO_WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+DEFAULT_WEB_DIR = (_REPO_WEB_DIR if (_REPO_WEB_DIR / "index.html").is_file()
+                   else Path(__file__).resolve().parents[1] / "web")
 # Paths served without an API key: the health probe and the static chat page
 # (which then authenticates its WebSocket itself).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/metrics", "/reset_prefix_cache")
@@ -105,11 +109,20 @@ async def _api_error_handler(request: Request, exc: Exception) -> Response:
 
 async def _http_exception_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    method, path = request.method, request.url.path
+    headers = dict(exc.headers or {})
     if exc.status_code == 404:
-        message = f"no route for {request.method} {request.url.path}"
+        error = APIError(404, f"no route for {method} {path}", None, "unknown_route")
+    elif exc.status_code == 405:
+        allowed = headers.get("Allow", "")
+        error = APIError(405, f"{method} is not allowed on {path}"
+                         + (f" (allowed: {allowed})" if allowed else ""), None,
+                         "method_not_allowed")
     else:
-        message = exc.detail or "request failed"
-    return error_response(APIError(exc.status_code, message, None, None))
+        error = APIError(exc.status_code, exc.detail or "request failed", None, None)
+    response = error_response(error)
+    response.headers.update(headers)  # 405's Allow
+    return response
 
 
 async def _client_disconnect_handler(request: Request, exc: Exception) -> Response:
@@ -555,16 +568,26 @@ async def metrics(request: Request) -> Response:
 
 
 class _StaticWeb:
-    """The chat page's files; API paths reached with a wrong method (the router
-    falls through to this catch-all mount) get 405 instead of a file lookup."""
+    """The chat page's files behind the catch-all mount at ``/``.
 
-    def __init__(self, static: StaticFiles, api_paths: set[str]) -> None:
+    The router hands this mount every request no route matched in full: an
+    API path with a wrong method gets 405 (with ``Allow``) instead of a file
+    lookup, and any other method than GET/HEAD on any other path is an unknown
+    route, 404 (``StaticFiles`` alone would answer 405, so ``POST
+    /v1/embeddings`` looked like a known route).
+    """
+
+    def __init__(self, static: StaticFiles, api_methods: dict[str, set[str]]) -> None:
         self.static = static
-        self.api_paths = api_paths
+        self.api_methods = api_methods
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in self.api_paths:
-            raise HTTPException(405, "Method Not Allowed")
+        if scope["type"] == "http":
+            allowed = self.api_methods.get(scope["path"])
+            if allowed is not None:
+                raise HTTPException(405, headers={"Allow": ", ".join(sorted(allowed))})
+            if scope["method"] not in ("GET", "HEAD"):
+                raise HTTPException(404)
         await self.static(scope, receive, send)
 
 
@@ -582,7 +605,8 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
               allowed_origins: list[str] | None = None) -> Starlette:
     """The Starlette app; its lifespan starts and stops the engine (then
     ``app.state.serving`` is the ``OpenAIServing`` and ``app.state.load_time``
-    the engine's load time in seconds).
+    the engine's load time in seconds; if the start fails, the exception is
+    ``app.state.startup_error`` too).
 
     Args:
         config: engine settings.
@@ -591,7 +615,8 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
             docs/websocket.md).
         max_body_bytes: larger HTTP bodies are refused with 413.
         max_ws_requests: concurrent requests per WebSocket connection.
-        web_dir: folder served at ``/`` (default: the repository's ``web/``),
+        web_dir: folder served at ``/`` (default: the repository's ``web/``, or
+            the installed package's copy of it),
             only if it holds an ``index.html``.
         allowed_origins: browser origins (``"https://chat.example.com"``, or
             ``"*"``) allowed cross-origin: CORS headers for them, and their
@@ -605,8 +630,15 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         t0 = time.perf_counter()
-        await asyncio.to_thread(_preimport_transformers)
-        engine = await AsyncEngine.start(config)
+        try:
+            await asyncio.to_thread(_preimport_transformers)
+            engine = await AsyncEngine.start(config)
+        except Exception as exc:
+            # For the caller (``aioengine serve`` reports it in one line); the
+            # traceback is for --log-level debug.
+            app.state.startup_error = exc
+            logger.debug("the engine failed to start", exc_info=True)
+            raise
         app.state.serving = OpenAIServing(engine)
         app.state.metrics = EngineMetrics(engine)
         app.state.load_time = time.perf_counter() - t0
@@ -629,9 +661,9 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
     ]
     web = Path(web_dir) if web_dir is not None else DEFAULT_WEB_DIR
     if (web / "index.html").is_file():
-        api_paths = {r.path for r in routes if isinstance(r, Route)}
+        api_methods = {r.path: set(r.methods or ()) for r in routes if isinstance(r, Route)}
         routes.append(Mount("/", app=_StaticWeb(StaticFiles(directory=web, html=True),
-                                                api_paths), name="web"))
+                                                api_methods), name="web"))
 
     # Outermost first: CORS must answer preflights (which carry no API key) and
     # add its headers to 401s too.
