@@ -308,15 +308,21 @@ def test_quantization_flag_with_a_gguf_file_is_refused():
         LLM(quantization="int4")
 
 
-def test_serve_prints_one_line_for_a_non_gguf_file(tmp_path):
-    junk = tmp_path / "model.gguf"
-    junk.write_bytes(b"\x00" * 4096)
+def test_serve_prints_one_line_for_an_unsupported_tensor_type(tmp_path, tokenizer_meta):
+    """preflight (tests/test_bad_start.py) answers for files that are not GGUF; a GGUF file
+    whose tensors the kernels cannot run is refused by the loader's header check, in one
+    line too."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (4, 74), dtype=np.uint8)  # one IQ2_XS block per row
+    path = _tiny_with(tmp_path, tokenizer_meta, extra_tensors={"blk.0.extra.weight":
+                                                               (blocks, QT.IQ2_XS)})
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run([sys.executable, "-m", "aioengine.entrypoints.cli", "serve",
-                           "--model", str(junk)], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+                           "--model", str(path), "--port", "0"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == [f"aioengine: error: {junk} is not a GGUF file (it starts with "
-                     f"b'\\x00\\x00\\x00\\x00', not b'GGUF')"], proc.stderr
+    assert lines == [f"aioengine: error: {path}: tensor 'blk.0.extra.weight' is stored as "
+                     f"IQ2_XS, which aioengine cannot run; supported: F32, Q8_0, Q4_0, Q4_1, "
+                     f"Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16"], proc.stderr
