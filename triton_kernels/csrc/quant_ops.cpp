@@ -27,6 +27,14 @@ constexpr int64_t QK_K = 256;  // values per K-quant super-block
 // Up to this many rows of x a tile is 4 weight rows (decoded in registers where the
 // format allows, once per 4 rows of x); above it, 16 rows dequantized once into a buffer.
 constexpr int64_t kGemvMaxRows = 8;
+// How many tiles ahead a thread prefetches its weight bytes.
+constexpr int64_t kPrefetchTiles = 4;
+
+inline void prefetch(const uint8_t* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -852,6 +860,7 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
   const int64_t T = M <= kGemvMaxRows ? 4 : 16;
   std::vector<int64_t> first_tile(w.parts.size() + 1, 0), first_row(w.parts.size(), 0);
   std::vector<RowDequant> dequant(w.parts.size());
+  std::vector<int64_t> row_bytes(w.parts.size());
   // Parts decoded in registers (AVX-512 GEMV for the 32-value formats) or through the buffer.
   std::vector<char> fused(w.parts.size(), 0);
   for (size_t p = 0; p < w.parts.size(); ++p) {
@@ -862,6 +871,7 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
     first_tile[p + 1] = first_tile[p] + (w.parts[p].rows + T - 1) / T;
     if (p > 0) first_row[p] = first_row[p - 1] + w.parts[p - 1].rows;
     dequant[p] = row_dequant(w.parts[p].qtype, isa);
+    row_bytes[p] = K / block_size(w.parts[p].qtype) * type_size(w.parts[p].qtype);
   }
   at::parallel_for(0, first_tile.back(), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buffer;
@@ -873,6 +883,15 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
       const WeightPart& part = w.parts[p];
       const int64_t r0 = (t - first_tile[p]) * T, rows = std::min(T, part.rows - r0);
       const int64_t n0 = first_row[p] + r0;
+      // At decode the weight streams from DRAM once per step: ask for a tile a few tiles
+      // ahead, so the misses of one thread overlap instead of queueing behind its compute.
+      if (t + kPrefetchTiles < end && t + kPrefetchTiles < first_tile[p + 1]) {
+        const int64_t ahead = r0 + kPrefetchTiles * T;
+        const int64_t stop = std::min(part.rows, ahead + T);
+        for (int64_t r = ahead; r < stop; ++r)
+          for (int64_t off = 0; off < row_bytes[p]; off += 64)
+            prefetch(part.data + r * part.row_stride + off);
+      }
 #if defined(AIOENGINE_HAVE_AVX512)
       if (fused[p]) {
         const int R = static_cast<int>(rows);
