@@ -1,5 +1,5 @@
 """The Triton kernels for GGML block formats (``triton_kernels.quant_triton``) against the
-reference dequantizer (``QuantizedWeight.dequantize``, i.e. ``gguf.quants.dequantize``).
+reference dequantizer, ``gguf.quants.dequantize`` (the twin of llama.cpp's).
 
 As in test_triton_kernels.py, the interpreted cases run in one child process (this file
 run as a script with TRITON_INTERPRET=1, which must be set before triton is imported and
@@ -22,11 +22,13 @@ import sys
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import quants as gguf_quants
 
-from triton_kernels.quant import SUPPORTED_QTYPES, GGMLQuantizationType, QuantizedWeight
+from triton_kernels.quant import SUPPORTED_QTYPES, GGMLQuantizationType
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QT = GGMLQuantizationType
@@ -42,7 +44,9 @@ def cols_for(qtype: QT, blocks: int) -> int:
 
 
 def reference_weight(data: torch.Tensor, qtype: QT, shape: tuple[int, int]) -> torch.Tensor:
-    return QuantizedWeight(data.cpu().contiguous(), qtype, shape).dequantize()
+    """fp32 ``[rows, cols]`` from the ``gguf`` package's dequantizer (llama.cpp's twin)."""
+    values = gguf_quants.dequantize(data.cpu().contiguous().numpy(), qtype)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(shape)
 
 
 def matmul_error(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
