@@ -195,3 +195,79 @@ def test_cpu_decode_script_writes_both_paths(tmp_path: Path) -> None:
     assert report["step"]["fused_ms"] > 0 and report["step"]["python_ms"] > 0
     assert set(report["cold_op_us"]) == {"after_mul", "after_matmul"}
     assert (tmp_path / "cpu_decode.png").stat().st_size > 0
+
+
+def _side(ready_s: float, tok_s: dict[int, float], ttft_ms: dict[int, float],
+          batch1: float) -> dict:
+    streams = [{"concurrency": c, "output_throughput": t, "ttft": {"p50_ms": ttft_ms[c]},
+                "itl": {"p50_ms": 10.0}} for c, t in tok_s.items()]
+    return {"batch1": {"decode_tokens_per_s": batch1, "source": "llama-bench, depth 100"},
+            "server": {"ready_s": ready_s, "streams": streams,
+                       "server_memory": {"rss_mib": 100.0}}}
+
+
+def test_quantized_ratios_and_table_put_ours_over_llama_cpp() -> None:
+    from bench.quantized import ratios, table
+
+    ours = _side(2.0, {1: 60.0, 8: 150.0}, {1: 50.0, 8: 200.0}, 75.0)
+    ours["batch1"] = {"decode_tokens_per_s": 75.0}  # LLM's figure names no source
+    ours["server"]["worker_memory"] = {"rss_mib": 300.0}
+    ours["server"]["restart"] = {"serving_again_s": 1.5}
+    theirs = _side(1.0, {1: 50.0, 8: 100.0}, {1: 100.0, 8: 100.0}, 50.0)
+    report = {"aioengine": ours, "llama_cpp": theirs, "args": {"threads": 2}, "n_slots": 8}
+    report["ratios"] = ratios(report)
+    assert report["ratios"]["streams_8"] == {"output_throughput": 1.5, "ttft_p50": 0.5}
+    assert report["ratios"]["streams_1"]["ttft_p50"] == 2.0
+    assert report["ratios"]["batch1_decode"] == 1.5 and report["ratios"]["ready_s"] == 2.0
+    text = table(report)
+    assert "| 8 streams: output tok/s (TTFT p50, ITL p50) | 150.0 (TTFT 200 ms" in text
+    assert "1.50x tok/s, TTFT 0.50x" in text
+    assert "| batch-1 decode tok/s | 75.0 (LLM) | 50.0 (llama-bench, depth 100) | 1.50x |" in text
+    assert "worker 300, server 100" in text and "1.50 s" in text
+    # Ours only (no llama-server found): no ratios, llama.cpp's cells say n/a.
+    alone = {"aioengine": ours, "args": {"threads": 2}, "n_slots": 8}
+    alone["ratios"] = ratios(alone)
+    assert alone["ratios"] == {} and "llama.cpp (not run)" in table(alone)
+
+
+def test_quantized_cpu_info_and_binary_lookup(tmp_path: Path) -> None:
+    from bench.quantized import cpu_info, find_binary
+
+    cpu = cpu_info()
+    assert cpu["model"] and cpu["cpus"] >= 1 and isinstance(cpu["simd_flags"], list)
+    assert find_binary("none", "AIOENGINE_TEST_NO_SUCH_VAR", "llama-server") is None
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert find_binary(str(fake), "AIOENGINE_TEST_NO_SUCH_VAR", "llama-server") == fake
+    assert find_binary(None, "AIOENGINE_TEST_NO_SUCH_VAR", "llama-bench",
+                       beside=tmp_path) is None
+    with pytest.raises(SystemExit):
+        find_binary(str(tmp_path / "missing"), "AIOENGINE_TEST_NO_SUCH_VAR", "llama-server")
+
+
+@pytest.mark.slow
+def test_quantized_script_measures_ours_without_llama_cpp(tmp_path: Path) -> None:
+    out = tmp_path / "quantized.json"
+    proc = run_script("quantized.py", "--llama-server", "none", "--concurrency", "1,2",
+                      "--prompt-len", "8", "--max-tokens", "3", "--requests-per-stream", "1",
+                      "--batch1-tokens", "4", "--time-limit", "300", "--restart-timeout", "300",
+                      "--output-json", str(out), "--plot-dir", str(tmp_path), "--no-progress")
+    assert proc.stdout.startswith("CPU: ")
+    assert "llama-server not found" in proc.stdout
+    report = json.loads(out.read_text())
+    assert "llama_cpp" not in report and report["ratios"] == {}
+    ours = report["aioengine"]
+    assert ours["batch1"]["decode_tokens_per_s"] > 0
+    server = ours["server"]
+    assert server["ready_s"] > 0
+    assert [r["concurrency"] for r in server["streams"]] == [1, 2]
+    for run in server["streams"]:
+        assert run["completed"] == run["num_requests"], run["errors"]
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            assert set(run[metric]) == LATENCY_KEYS
+    assert server["worker_memory"]["rss_mib"] > 0 and server["server_memory"]["rss_mib"] > 0
+    # The killed worker was restarted and answered again.
+    assert server["restart"]["serving_again_s"] > 0
+    assert report["cpu"]["model"] and "aioengine serve" in report["table_markdown"]
+    assert (tmp_path / "quantized_vs_llama_cpp.png").stat().st_size > 0

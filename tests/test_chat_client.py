@@ -16,7 +16,15 @@ from collections.abc import Iterator
 import pexpect
 import pytest
 
-from aioengine.entrypoints.chat_client import Answer, ChatSettings, Conversation, terminal_safe
+from aioengine.entrypoints.chat_client import (
+    Answer,
+    ChatSettings,
+    Conversation,
+    history_path,
+    render_markdown,
+    screen_rows,
+    terminal_safe,
+)
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 SUMMARY = re.compile(r"\[(\d+) tokens?, ([\d.]+|-) tok/s, TTFT (\d+|-) ms, "
@@ -32,13 +40,15 @@ def plain(text: str) -> str:
 
 
 @pytest.fixture
-def spawn_chat(server) -> Iterator:
-    """``spawn_chat(*flags)``: the client in a pty, connected to the test server."""
+def spawn_chat(server, tmp_path) -> Iterator:
+    """``spawn_chat(*flags)``: the client in a pty, connected to the test server, its
+    history under ``tmp_path`` (``$XDG_STATE_HOME``), shared by the test's clients."""
     children: list[pexpect.spawn] = []
 
     def spawn(*flags: str) -> pexpect.spawn:
         env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color",
-                   COLUMNS="200", LINES="50")
+                   COLUMNS="200", LINES="50", XDG_STATE_HOME=str(tmp_path / "state"))
+        env.pop("AIOENGINE_CHAT_HISTORY", None)
         child = pexpect.spawn(
             sys.executable,
             ["-m", "aioengine.entrypoints.cli", "chat", "--url", server.ws_url,
@@ -142,13 +152,77 @@ def test_reset_clears_the_history(server, spawn_chat):
     _, second = ask(child, QUESTION)
     first_prompt, second_prompt = int(first.group(4)), int(second.group(4))
     assert second_prompt > first_prompt + int(first.group(1)), (first_prompt, second_prompt)
-    child.sendline("/reset")
+    child.sendline("/clear")
     child.expect_exact("history cleared")
     child.expect_exact(PROMPT)
     _, third = ask(child, QUESTION)
     assert int(third.group(4)) == first_prompt
     # The same prompt again: the prefix cache supplied most of it.
     assert int(third.group(5)) > 0
+
+
+@pytest.mark.parametrize("command", ["/quit", "/exit"])
+def test_quit_and_exit_leave_with_status_0(spawn_chat, command):
+    child = spawn_chat()
+    child.sendline(command)
+    child.expect(pexpect.EOF, timeout=30)
+    child.close()
+    assert child.exitstatus == 0, plain(child.before)
+    assert "unknown command" not in plain(child.before)
+
+
+def test_history_is_kept_across_runs(spawn_chat, tmp_path):
+    """What was typed in one run comes back with Up in the next, from the file
+    under $XDG_STATE_HOME."""
+    first = spawn_chat()
+    first.sendline("/temperature 0.25")
+    first.expect_exact("(temperature 0.25)")
+    first.expect_exact(PROMPT)
+    first.sendline("/quit")
+    first.expect(pexpect.EOF, timeout=30)
+    history = tmp_path / "state" / "aioengine" / "chat_history"
+    assert "/temperature 0.25" in history.read_text()
+
+    second = spawn_chat()
+    second.send("\x1b[A\x1b[A")  # Up twice: past "/quit" to the line before it
+    second.send("\r")
+    second.expect_exact("(temperature 0.25)")
+    second.expect_exact(PROMPT)
+
+
+def test_commands_change_the_settings(spawn_chat):
+    child = spawn_chat()
+    for line, reply in [("/temperature 0.5", "(temperature 0.5)"),
+                        ("/temperature 7", "usage: /temperature X"),
+                        ("/system Be brief.", "(system prompt set: 'Be brief.'"),
+                        ("/system", "(system prompt cleared"),
+                        ("/max-tokens 0", "usage: /max-tokens N"),
+                        ("/nope", "unknown command /nope"),
+                        ("/help", "/quit, /exit")]:
+        child.sendline(line)
+        child.expect_exact(reply)
+        child.expect_exact(PROMPT)
+
+
+@pytest.mark.parametrize("newline", ["\\\r", "\x1b\r"], ids=["trailing-backslash", "esc-enter"])
+def test_multi_line_input_is_one_message(server, spawn_chat, newline):
+    """Two typed lines reach the server as one user message holding both: the
+    prompt's token count is that of exactly that message (``POST /tokenize``)."""
+    import httpx
+
+    wait_idle(server)
+    lines = ["Name the capital of France.", "Answer in one word."]
+    expected = httpx.post(f"{server.base_url}/tokenize", headers=server.headers, timeout=30,
+                          json={"messages": [{"role": "user", "content": "\n".join(lines)}]})
+    one_line = httpx.post(f"{server.base_url}/tokenize", headers=server.headers, timeout=30,
+                          json={"messages": [{"role": "user", "content": lines[0]}]})
+    child = spawn_chat("--temperature", "0", "--max-tokens", "1")
+    child.send(lines[0] + newline)
+    child.send(lines[1] + "\r")
+    child.expect(SUMMARY)
+    prompt_tokens = int(child.match.group(4))
+    assert prompt_tokens == expected.json()["count"] != one_line.json()["count"]
+    child.expect_exact(PROMPT)
 
 
 def test_bad_api_key_is_reported(server):
@@ -177,6 +251,40 @@ def test_conversation_messages_and_reset():
     conversation.reset()
     conversation.settings.system = ""
     assert conversation.messages("x") == [{"role": "user", "content": "x"}]
+
+
+def test_markdown_rendering_of_a_finished_answer():
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    render_markdown(Console(file=out, width=60, color_system=None),
+                    "Some **bold** text:\n\n- one\n- two\n\n```python\nprint(1)\n```\n")
+    text = out.getvalue()
+    assert "**" not in text and "bold" in text
+    assert text.count("•") == 2
+    assert "print(1)" in text and "```" not in text
+
+
+def test_screen_rows_counts_wrapped_lines():
+    assert screen_rows("abc", 80) == 1
+    assert screen_rows("a" * 81, 80) == 2
+    assert screen_rows("a\n\nb", 80) == 3
+    assert screen_rows("中" * 41, 80) == 2  # wide characters take two columns
+
+
+def test_history_path_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("AIOENGINE_CHAT_HISTORY", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert history_path() == tmp_path / "aioengine" / "chat_history"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert history_path() == tmp_path / ".local" / "state" / "aioengine" / "chat_history"
+    monkeypatch.setenv("AIOENGINE_CHAT_HISTORY", str(tmp_path / "h"))
+    assert history_path() == tmp_path / "h"
+    assert history_path("") is None  # --history-file '': none kept
+    assert history_path(str(tmp_path / "f")) == tmp_path / "f"
 
 
 def test_answer_summary_from_done_message():

@@ -7,6 +7,9 @@
   sizes 1 and 16, one and many sequences, shuffled block tables, garbage in every cache
   slot the step must not read (NaN, for the fused path alone); a plan that does not fit
   the cache is refused before anything is written.
+- With quantized projections (every format family, QKV as parts of mixed formats, dense
+  parts beside quantized ones) ``LlamaDecodeLayers`` must give the Python forward's result
+  on the dequantized weights, on both sides of the GEMV/GEMM switch at 8 rows (1, 5, 20 sequences).
 - Through the engine, greedy tokens on small random Llama, Qwen2 and Mistral models must
   equal HF transformers' (near-tie rule), with the fused path counted as taken.
 """
@@ -20,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from parity import assert_greedy_parity, hf_greedy
 
+from gguf import GGMLQuantizationType
+from test_quant_cpu import random_weight
+
 from triton_kernels import cpu_ops
+from triton_kernels.quant import QuantizedWeight, fuse_rows
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
                                 reason="the C++ CPU kernels did not build here")
@@ -185,11 +192,113 @@ def test_prefill_and_mixed_steps_keep_the_python_forward():
 
 def test_bad_shapes_are_refused_by_the_kernel():
     ops = cpu_ops.load()
-    w = torch.zeros(4, 4)
-    with pytest.raises(RuntimeError, match="7 tensors per layer"):
-        ops.LlamaDecodeLayers([w, w], 1, 1, 4, 1e-5)
+    w, n, empty = torch.zeros(4, 4), torch.ones(4), torch.zeros(0)
+    with pytest.raises(RuntimeError, match="per layer 3 norms"):
+        ops.LlamaDecodeLayers([w, w], [], [], 1, 1, 4, 1e-5)
+    # hidden 8 (from the final norm) but 4-wide projections
+    with pytest.raises(RuntimeError, match=r"F32 part must be fp32 \[rows, 8\]"):
+        ops.LlamaDecodeLayers([torch.ones(8), torch.ones(8), empty, torch.ones(8)],
+                              [[w]] * 4, [[0]] * 4, 2, 1, 4, 1e-5)
     with pytest.raises(RuntimeError, match="unexpected weight shapes"):
-        ops.LlamaDecodeLayers([torch.ones(8)] * 2 + [w] * 5 + [torch.ones(8)], 2, 1, 4, 1e-5)
+        ops.LlamaDecodeLayers([n, n, empty, n], [[torch.zeros(10, 4)], [w], [torch.zeros(6, 4)],
+                                                 [torch.zeros(4, 3)]], [[0]] * 4, 1, 1, 4, 1e-5)
+
+
+# -- quantized projections against the Python forward on their dequantized values ---------
+
+QT = GGMLQuantizationType
+QUANT_ARCH = dict(model_type="llama", heads=4, kv_heads=2, head_dim=64)  # hidden 256, K-quant rows
+
+
+def quantize(w: torch.Tensor, qtype, seed: int):
+    """A QuantizedWeight for ``w``'s shape: gguf's quantizer where it has one, random
+    blocks with small finite scales for the K-quants (gguf has no K-quant quantizer)."""
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        data = random_weight(qtype, w.shape[0], w.shape[1], seed=seed, scale=0.01)
+        return QuantizedWeight(torch.from_numpy(data), qtype, tuple(w.shape))
+    return QuantizedWeight.quantize(w, qtype)
+
+
+#: per projection: a format, a tuple of formats split by rows (q, k, v), or None (dense)
+QUANT_LAYOUTS = {
+    "q4_1": (QT.Q4_1, QT.Q4_1, QT.Q4_1, QT.Q4_1),  # the default model's file
+    "q8_0": (QT.Q8_0, QT.Q8_0, QT.Q8_0, QT.Q8_0),
+    "q4_k_m": ((QT.Q4_K, QT.Q4_K, QT.Q6_K), QT.Q4_K, QT.Q4_K, QT.Q6_K),
+    "mixed": (None, QT.Q5_0, QT.Q5_1, QT.BF16),
+    "q5_k_f16": ((QT.Q5_K, None, QT.F16), QT.Q5_K, QT.F16, QT.Q5_K),
+}
+
+
+def quantize_layers(model, layout) -> list[tuple]:
+    """Quantize ``model``'s projections by ``layout`` and put their dequantized values back
+    into the model (the Python forward's oracle weights); returns the fused path's layers."""
+    a = model.arch
+    q_rows, kv_rows = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    fused_layers = []
+    for i, layer in enumerate(model.layers):
+        quantized = {}
+        for j, (name, fmt) in enumerate(zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                                            layout)):
+            dense = layer[name]
+            if fmt is None:
+                quantized[name] = dense
+            elif isinstance(fmt, tuple):
+                splits = dense.split([q_rows, kv_rows, kv_rows])
+                parts = [s.contiguous() if f is None else quantize(s, f, seed=100 * i + 10 * j + k)
+                         for k, (s, f) in enumerate(zip(splits, fmt))]
+                quantized[name] = fuse_rows(parts)
+            else:
+                quantized[name] = quantize(dense, fmt, seed=100 * i + j)
+            w = quantized[name]
+            layer[name] = (torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize()
+                                      for p in w]) if isinstance(w, tuple)
+                           else w if isinstance(w, torch.Tensor) else w.dequantize())
+        fused_layers.append((layer["input_layernorm"], layer["post_attention_layernorm"],
+                             quantized["qkv_proj"], layer["qkv_bias"], quantized["o_proj"],
+                             quantized["gate_up_proj"], quantized["down_proj"]))
+    return fused_layers
+
+
+def test_the_module_says_it_takes_quantized_layers():
+    assert cpu_ops.QUANTIZED_DECODE_LAYERS is True
+
+
+@pytest.mark.parametrize("layout", list(QUANT_LAYOUTS))
+@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 1, 70, 16, 33],
+                                      [9 + 3 * i for i in range(20)]])
+def test_quantized_decode_layers_equal_the_python_forward(layout, seq_lens):
+    model = our_model(hf_config(**QUANT_ARCH, intermediate=512))
+    a = model.arch
+    layers = quantize_layers(model, QUANT_LAYOUTS[layout])
+    fused = cpu_ops.LlamaDecodeLayers(layers, model.norm, a.num_heads, a.num_kv_heads,
+                                      a.head_dim, a.rms_norm_eps)
+    assert fused.available
+    if layout == "q4_k_m":
+        assert isinstance(layers[0][2], tuple)  # QKV stays parts of two formats
+    model.decode_layers = fused
+    num_blocks = sum(-(-n // 16) for n in seq_lens) + 2
+    input_ids, positions, kv_cache, attn = decode_step(model, seq_lens, 16, num_blocks,
+                                                       seed=len(seq_lens))
+    calls = count_fused_steps(fused)
+    cache_fused = kv_cache.clone()
+    hidden = model.forward(input_ids, positions, cache_fused, attn)
+    assert calls == [True], "the decode step did not take the fused path"
+    model.decode_layers = None  # the Python forward on the dequantized weights, the oracle
+    cache_python = kv_cache.clone()
+    expected = model.forward(input_ids, positions, cache_python, attn)
+    torch.testing.assert_close(hidden, expected, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(cache_fused, cache_python, atol=2e-4, rtol=2e-4)
+    assert not torch.equal(cache_fused, kv_cache), "nothing was written"
+
+
+def test_quantized_weights_off_the_fast_path_leave_it_unavailable():
+    model = our_model(hf_config(**QUANT_ARCH, intermediate=512))
+    a = model.arch
+    layers = quantize_layers(model, QUANT_LAYOUTS["mixed"])
+    bf16 = [(*layer[:2], layer[2].bfloat16(), *layer[3:]) for layer in layers]  # dense bf16
+    fused = cpu_ops.LlamaDecodeLayers(bf16, model.norm, a.num_heads, a.num_kv_heads, a.head_dim,
+                                      a.rms_norm_eps)
+    assert not fused.available
 
 
 # -- through the engine, against HF transformers ----------------------------------------

@@ -1,6 +1,12 @@
 """The chat page in web/, driven by Playwright with Debian's Chromium headless
 against the real test server (the session ``server`` fixture, which needs an
-API key, so every test also goes through the page's key dialog).
+API key, so every test that talks to the model also goes through the page's
+key dialog).
+
+Tests that need a fixed answer (Markdown, hostile markup, conversations,
+regenerate) load the page from the same server but answer its WebSocket
+themselves (``StubEngine``, through ``page.route_web_socket``): the model
+cannot be made to write a given text, and these run in seconds.
 
 Playwright never downloads a browser here: it launches ``/usr/bin/chromium``
 (installed by ``make setup``). Without it these tests skip, except under CI
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,6 +113,102 @@ class ChatPage:
 @pytest.fixture
 def chat(context) -> ChatPage:
     return ChatPage(context.new_page())
+
+
+STUB_HELLO = {"type": "hello", "model": "stub-model", "max_model_len": 4096,
+              "max_concurrent_requests": 16, "auth_required": False}
+STUB_WAIT_S = 10.0
+
+
+class StubEngine:
+    """The server's side of ``/v1/ws`` played by the test, for answers it chooses.
+
+    Each ``chat`` message is recorded in ``requests``. If ``answers`` holds a
+    text, the next one is streamed back at once in small deltas, then ``done``;
+    otherwise the test drives the answer with ``delta`` and ``done``. A
+    ``cancel`` is recorded in ``cancels`` and answered like the real server: a
+    ``done`` with ``finish_reason: "abort"`` and the text so far.
+    """
+
+    def __init__(self, page, answers: list[str] | None = None, chunk: int = 4) -> None:
+        self.page = page
+        self.answers = list(answers or [])
+        self.chunk = chunk
+        self.requests: list[dict] = []
+        self.cancels: list[str] = []
+        self.sent: dict[str, str] = {}
+        self.ws = None
+        page.route_web_socket(re.compile(r".*/v1/ws$"), self._route)
+
+    def _route(self, ws) -> None:
+        self.ws = ws
+        ws.on_message(self._on_message)
+        ws.send(json.dumps(STUB_HELLO))
+
+    def _on_message(self, raw: str | bytes) -> None:
+        msg = json.loads(raw)
+        if msg.get("type") == "chat":
+            self.requests.append(msg)
+            self.sent[msg["id"]] = ""
+            if self.answers:
+                self.answer(self.answers.pop(0))
+        elif msg.get("type") == "cancel":
+            self.cancels.append(msg["id"])
+            self.done(self.sent.get(msg["id"], ""), "abort", request_id=msg["id"])
+
+    @property
+    def last_id(self) -> str:
+        return self.requests[-1]["id"]
+
+    def wait_requests(self, n: int) -> dict:
+        """Waits (letting the page run) until ``n`` chat requests came; the last one."""
+        deadline = time.monotonic() + STUB_WAIT_S
+        while len(self.requests) < n:
+            assert time.monotonic() < deadline, f"{len(self.requests)} requests, wanted {n}"
+            self.page.wait_for_timeout(20)
+        return self.requests[-1]
+
+    def delta(self, text: str) -> None:
+        self.sent[self.last_id] += text
+        self.ws.send(json.dumps({"type": "delta", "id": self.last_id, "text": text,
+                                 "token_ids": [0]}))
+
+    def done(self, text: str, finish_reason: str = "stop", request_id: str | None = None) -> None:
+        self.ws.send(json.dumps({
+            "type": "done", "id": request_id or self.last_id, "finish_reason": finish_reason,
+            "stop_reason": None, "text": text, "ttft_s": 0.05, "tokens_per_s": 25.0,
+            "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19,
+                      "prompt_tokens_details": {"cached_tokens": 0}}}))
+
+    def answer(self, text: str) -> None:
+        for i in range(0, len(text), self.chunk):
+            self.delta(text[i:i + self.chunk])
+        self.done(text)
+
+
+def _open_stubbed(chat: ChatPage, server, answers: list[str] | None = None) -> StubEngine:
+    stub = StubEngine(chat.page, answers)
+    chat.page.goto(f"{server.base_url}/")
+    chat.wait_ready()
+    return stub
+
+
+def _conversation(page) -> list[tuple[str, str]]:
+    """(role, shown text) of every message on the page."""
+    pairs = page.evaluate("""() => [...document.querySelectorAll('#messages .msg')].map(
+        m => [m.classList.contains('user') ? 'user' : 'assistant',
+              m.querySelector('.content').innerText.trim()])""")
+    return [tuple(p) for p in pairs]
+
+
+def _wait_settled(page) -> None:
+    """Until no answer is streaming (the stub's answers arrive at once)."""
+    page.wait_for_function("() => !document.querySelector('.msg.streaming')"
+                           " && !document.getElementById('send').hidden", timeout=10_000)
+
+
+def _titles(page) -> list[str]:
+    return page.locator("#conv-list .conv-open").all_inner_texts()
 
 
 def _wait_idle(server) -> None:
@@ -223,15 +326,6 @@ def test_html_in_prompt_and_answer_is_shown_as_text(server, chat: ChatPage):
     assert shown.startswith(answer_html), shown
     assert chat.page.locator("#messages img, #messages script, #messages b").count() == 0
     assert chat.dialogs == []
-    # The renderer itself, on markup plus the Markdown subset it supports.
-    rendered = chat.page.evaluate("""(payload) => {
-        const div = document.createElement('div');
-        const md = '\\n**x** `y`\\n```html\\n' + payload + '\\n```';
-        window.aioChat.renderAnswer(div, payload + md);
-        return {text: div.textContent, tags: [...div.querySelectorAll('*')].map(e => e.tagName)};
-    }""", XSS)
-    assert rendered["text"].count(XSS) == 2
-    assert set(rendered["tags"]) <= {"DIV", "STRONG", "CODE", "PRE"}, rendered
     assert chat.dialogs == [] and not chat.errors
 
 
@@ -291,9 +385,275 @@ def test_keyboard_and_narrow_screen(server, chat: ChatPage):
     assert chat.page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
     ARTIFACTS.mkdir(exist_ok=True)
     chat.page.screenshot(path=str(ARTIFACTS / "web_narrow.png"))
+    # The conversation list folds the same way, one panel open at a time.
+    chat.page.click("#toggle-history")
+    assert chat.page.is_visible("#history") and chat.page.is_hidden("#side")
+    assert chat.page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    chat.page.click("#toggle-history")
+    assert chat.page.is_hidden("#history")
     # The New chat button also works from the keyboard.
-    chat.page.click("#toggle-side")
     chat.page.focus("#new-chat")
     chat.page.keyboard.press("Enter")
     assert chat.page.is_visible("#empty")
+    assert not chat.errors and not chat.dialogs
+
+
+# -- Markdown, safety, conversations (stubbed socket unless said otherwise) -------------------
+
+MARKDOWN_ANSWER = (
+    "Steps:\n\n- open the file\n- add the function\n\n"
+    "```python\ndef add(a, b):\n    return a + b\n```\n\n"
+    "See [the docs](https://docs.python.org/3/) for more.\n")
+CODE = "def add(a, b):\n    return a + b\n"
+
+
+def test_markdown_answer_renders_list_and_code_block_while_streaming(server, chat: ChatPage,
+                                                                     context):
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.base_url)
+    stub = _open_stubbed(chat, server)
+    chat.ask("How do I add two numbers?")
+    stub.wait_requests(1)
+    answer = chat.last_answer()
+
+    # Mid-stream: the list is a list and the open fence is already code.
+    first, rest = MARKDOWN_ANSWER.split("    return")
+    stub.delta(first)
+    chat.page.wait_for_function(
+        "() => document.querySelector('.msg.assistant pre code')?.textContent"
+        ".startsWith('def add(a, b):')")
+    assert answer.locator(".content li").count() == 2
+    assert answer.get_attribute("data-finish") is None
+    # Blocks above the growing one are not rebuilt by later deltas.
+    chat.page.evaluate("document.querySelector('.msg.assistant ul').dataset.t = 'kept'")
+    stub.delta("    return" + rest)
+    chat.page.wait_for_function(
+        "() => document.querySelector('.msg.assistant a[href]') !== null")
+    assert answer.locator("ul[data-t=kept]").count() == 1
+    stub.done(MARKDOWN_ANSWER)
+    chat.wait_answer_done()
+
+    content = answer.locator(".content")
+    assert content.locator("li").all_inner_texts() == ["open the file", "add the function"]
+    assert content.locator("pre > code").count() == 1
+    assert content.locator("pre > code").text_content() == CODE
+    assert content.locator(".codeblock .lang").inner_text() == "python"
+    assert "```" not in content.inner_text()
+    link = content.locator("a[href='https://docs.python.org/3/']")
+    assert link.get_attribute("target") == "_blank"
+    assert "noopener" in link.get_attribute("rel").split()
+
+    content.locator("button.copy-code").click()
+    chat.page.wait_for_function(
+        "() => document.querySelector('button.copy-code').textContent === 'Copied'")
+    assert chat.page.evaluate("navigator.clipboard.readText()") == CODE
+    ARTIFACTS.mkdir(exist_ok=True)
+    chat.page.screenshot(path=str(ARTIFACTS / "web_markdown.png"))
+    assert not chat.errors and not chat.dialogs
+
+
+# Each would run script, add a handler or an active link if it reached the DOM as HTML.
+HOSTILE_ANSWER = "\n\n".join([
+    "Here you go:",
+    "<script>window.__pwned = 'script'</script>",
+    "<img src=x onerror=\"window.__pwned = 'img'\">",
+    "inline <img src=x onerror=\"window.__pwned = 'inline-img'\"> tag",
+    "<svg onload=\"window.__pwned = 'svg'\"><circle r=4></circle></svg>",
+    "<iframe srcdoc=\"<script>parent.__pwned = 'iframe'</script>\"></iframe>",
+    "<details open ontoggle=\"window.__pwned = 'details'\"><summary>x</summary></details>",
+    "<a href=\"javascript:window.__pwned = 'a-tag'\">raw link</a>",
+    "[markdown link](javascript:window.__pwned='md-link')",
+    "[entity link](&#106;avascript:window.__pwned='entity')",
+    "[data link](data:text/html;base64,PHNjcmlwdD5hbGVydCgxKTwvc2NyaXB0Pg==)",
+    "![picture](x\" onerror=\"window.__pwned='md-img')",
+    "<p id=\"prompt\" style=\"position:fixed;inset:0\">clobber</p>",
+    "<style>body { display: none }</style>",
+    "```html\n<img src=x onerror=\"window.__pwned = 'fence'\">\n```",
+])
+
+# Records every element the page ever adds that could run script or navigate,
+# and every CSP or Trusted Types violation, from the first byte of the page on.
+WATCH_DOM = """
+window.__bad = [];
+window.__violations = [];
+document.addEventListener('securitypolicyviolation',
+    (e) => window.__violations.push(e.violatedDirective + ' ' + e.blockedURI));
+const looksBad = (n) => n.nodeType === 1 && (
+    /^(SCRIPT|IMG|IFRAME|SVG|STYLE|OBJECT|EMBED)$/i.test(n.tagName)
+    || [...n.attributes].some((a) => /^on/i.test(a.name)
+        || (/^(href|src|xlink:href|action|formaction)$/i.test(a.name)
+            && !/^(https?:|mailto:|#)/i.test(a.value.trim()))));
+new MutationObserver((records) => {
+  for (const r of records) {
+    const nodes = r.type === 'attributes' ? [r.target] : [...r.addedNodes];
+    for (const n of nodes) {
+      if (n.nodeType !== 1 || !n.closest || !n.closest('#messages')) continue;
+      for (const e of [n, ...n.querySelectorAll('*')]) {
+        if (looksBad(e)) window.__bad.push(e.outerHTML.slice(0, 120));
+      }
+    }
+  }
+}).observe(document, {subtree: true, childList: true, attributes: true});
+"""
+
+
+def test_hostile_answer_runs_no_script_and_adds_no_handler(server, chat: ChatPage):
+    chat.page.add_init_script(WATCH_DOM)
+    stub = _open_stubbed(chat, server)
+    chat.ask("Say something hostile")
+    stub.wait_requests(1)
+    # Three characters a delta: the page renders half-written tags too.
+    for i in range(0, len(HOSTILE_ANSWER), 3):
+        stub.delta(HOSTILE_ANSWER[i:i + 3])
+        if i % 60 == 0:
+            chat.page.wait_for_timeout(5)  # let frames render between deltas
+    stub.done(HOSTILE_ANSWER)
+    chat.wait_answer_done()
+    chat.page.wait_for_timeout(300)  # time for an error or toggle handler to fire, if any
+
+    page = chat.page
+    assert page.evaluate("window.__pwned") is None
+    assert page.evaluate("window.__bad") == []
+    assert page.evaluate("window.__violations") == []
+    content = chat.last_answer().locator(".content")
+    # The raw HTML is shown as text, the Markdown links keep only their text.
+    shown = content.inner_text()
+    assert "<script>window.__pwned = 'script'</script>" in shown
+    assert "<img src=x onerror=" in shown and "markdown link" in shown
+    handlers = page.evaluate("""() => [...document.querySelectorAll('#messages *')]
+        .flatMap((e) => [...e.attributes].map((a) => a.name))
+        .filter((name) => name.startsWith('on'))""")
+    assert handlers == []
+    active = "#messages :is(script, img, iframe, svg, style, object, embed)"
+    assert page.locator(active).count() == 0
+    hrefs = page.evaluate("() => [...document.querySelectorAll('#messages [href]')]"
+                          ".map((a) => a.getAttribute('href'))")
+    assert all(re.match(r"(https?:|mailto:|#)", h) for h in hrefs), hrefs
+    assert page.evaluate("document.getElementById('prompt').tagName") == "TEXTAREA"
+    assert page.is_visible("#composer")
+    # The fenced example is code, shown as written.
+    assert content.locator("pre code").text_content() == \
+        "<img src=x onerror=\"window.__pwned = 'fence'\">\n"
+    assert not chat.errors and not chat.dialogs
+
+
+def test_conversations_survive_reload_and_switch_rename_delete(server, chat: ChatPage):
+    page = chat.page
+    stub = _open_stubbed(chat, server, ["Answer one.", "Answer two.", "Answer three."])
+    chat.ask("First question")
+    chat.wait_answer_done()
+    page.click("#new-chat")
+    assert page.is_visible("#empty") and page.locator(".msg").count() == 0
+    chat.ask("Second question")
+    chat.wait_answer_done()
+    assert _titles(page) == ["Second question", "First question"]
+
+    page.reload()
+    chat.wait_ready()
+    assert _titles(page) == ["Second question", "First question"]
+    assert page.locator(".conv[aria-current=true] .conv-open").inner_text() == "Second question"
+    assert _conversation(page) == [("user", "Second question"), ("assistant", "Answer two.")]
+
+    page.locator(".conv-open", has_text="First question").click()
+    assert _conversation(page) == [("user", "First question"), ("assistant", "Answer one.")]
+    assert page.locator(".conv[aria-current=true] .conv-open").inner_text() == "First question"
+    # The restored conversation is what the next question continues.
+    chat.ask("Follow-up")
+    request = stub.wait_requests(3)
+    assert request["messages"] == [
+        {"role": "user", "content": "First question"},
+        {"role": "assistant", "content": "Answer one."},
+        {"role": "user", "content": "Follow-up"}]
+    page.wait_for_function(
+        "() => document.querySelectorAll('.msg.assistant[data-finish]').length == 2")
+
+    page.locator(".conv", has_text="First question").locator(".conv-rename").click()
+    page.fill(".conv-title-input", "Renamed chat")
+    page.press(".conv-title-input", "Enter")
+    assert _titles(page) == ["Renamed chat", "Second question"]
+    second = page.locator(".conv", has_text="Second question")
+    second.locator(".conv-delete").click()
+    assert _titles(page) == ["Renamed chat", "Second question"], "one click only asks"
+    second.locator(".conv-delete").click()
+    assert _titles(page) == ["Renamed chat"]
+
+    page.reload()
+    chat.wait_ready()
+    assert _titles(page) == ["Renamed chat"]
+    assert [role for role, _ in _conversation(page)] == ["user", "assistant"] * 2
+    # Deleting the open conversation leaves an empty page, after a reload too.
+    page.locator(".conv-delete").click()
+    page.locator(".conv-delete").click()
+    assert _titles(page) == [] and page.is_visible("#empty") and page.is_visible("#conv-none")
+    page.reload()
+    chat.wait_ready()
+    assert _titles(page) == [] and page.locator(".msg").count() == 0
+    assert not chat.errors and not chat.dialogs
+
+
+def test_regenerate_replaces_the_answer_and_edit_resends(server, chat: ChatPage):
+    page = chat.page
+    stub = _open_stubbed(chat, server, ["First answer."])
+    chat.ask("Tell me a joke")
+    chat.wait_answer_done()
+
+    stub.answers.append("Second answer.")
+    chat.last_answer().locator("[data-action=regenerate]").click()
+    request = stub.wait_requests(2)
+    _wait_settled(page)
+    assert request["messages"] == [{"role": "user", "content": "Tell me a joke"}]
+    assert _conversation(page) == [("user", "Tell me a joke"), ("assistant", "Second answer.")]
+    page.reload()
+    chat.wait_ready()
+    assert _conversation(page) == [("user", "Tell me a joke"), ("assistant", "Second answer.")]
+
+    # Edit the last question: it and its answer are replaced.
+    stub.answers.append("Third answer.")
+    page.locator(".msg.user [data-action=edit]").click()
+    page.fill(".edit-box", "Tell me a riddle")
+    page.click(".edit-send")
+    request = stub.wait_requests(3)
+    assert request["messages"] == [{"role": "user", "content": "Tell me a riddle"}]
+    _wait_settled(page)
+    assert _conversation(page) == [("user", "Tell me a riddle"), ("assistant", "Third answer.")]
+    assert _titles(page) == ["Tell me a joke"]
+
+    # Stop still works on a regenerated answer: a cancel for its id; the partial stays.
+    chat.last_answer().locator("[data-action=regenerate]").click()
+    stub.wait_requests(4)
+    stub.delta("Partial")
+    page.wait_for_function(
+        "() => document.querySelector('.msg.assistant.streaming')?.textContent.includes('Partial')")
+    page.click("#stop")
+    page.wait_for_selector(".msg.assistant[data-finish=abort]")
+    assert stub.cancels == [stub.last_id]
+    assert _conversation(page) == [("user", "Tell me a riddle"), ("assistant", "Partial")]
+    assert "stopped" in chat.last_answer().locator(".meta").inner_text()
+    assert page.is_visible("#send") and page.is_hidden("#stop")
+    assert not chat.errors and not chat.dialogs
+
+
+def test_real_answer_with_code_renders_as_markdown(server, chat: ChatPage):
+    """One round trip with the real model: what it writes (a fenced Python
+    function, for this request at temperature 0) is rendered, while streaming
+    and at the end, as the Markdown of its own text."""
+    _wait_idle(server)
+    chat.page.add_init_script(
+        "window.__codeWhileStreaming = false;"
+        "new MutationObserver(() => { if (document.querySelector("
+        "'.msg.assistant.streaming pre code')) window.__codeWhileStreaming = true; })"
+        ".observe(document, {subtree: true, childList: true});")
+    chat.open(server)
+    chat.wait_ready()
+    chat.settings(temperature=0, max_tokens=40)
+    chat.ask("Write a Python function that adds two numbers.")
+    chat.wait_answer_done()
+
+    text = chat.page.evaluate("window.aioChat.store.active.messages.at(-1).content")
+    fences = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.M | re.S)
+    assert fences, f"no fenced code block in the model's answer: {text!r}"
+    content = chat.last_answer().locator(".content")
+    codes = content.locator("pre > code").all_text_contents()
+    assert codes[:len(fences)] == fences, (codes, text)
+    assert "```" not in content.inner_text()
+    assert chat.page.evaluate("window.__codeWhileStreaming")
     assert not chat.errors and not chat.dialogs

@@ -1,12 +1,13 @@
-"""The C++ CPU kernels of ``csrc/cpu_ops.cpp``, built on first use.
+"""The C++ CPU kernels of ``csrc/`` (``cpu_ops.cpp``, ``quant_ops.cpp``), built on first use.
 
-``torch.utils.cpp_extension.load`` compiles the file with ``-O3 -march=native``
-(about 30 s on two cores, once per machine and source version; the build is
-cached under torch's extensions directory, keyed by the source and the CPU's
-instruction-set flags, so checkouts of one version share a build and a shared
-home directory never serves one CPU another's). The fast path covers fp32
-tensors; bf16/fp16 keep the torch path. Set ``AIOENGINE_CPU_KERNELS=0`` to use
-the torch implementations throughout.
+``torch.utils.cpp_extension.load`` compiles them with ``-O3 -march=native`` (about a
+minute on two cores, once per machine, environment and source version). The build is
+cached under torch's extensions directory, keyed by the sources, the CPU's
+instruction-set flags, the Python environment (``sys.prefix``) and torch's version: a
+shared home directory never serves one CPU another's build, and two virtual
+environments on one machine stop rebuilding each other's. The fast path covers fp32
+activations with fp32 or GGML-quantized weights (``quant.py``); bf16/fp16 keep the
+torch path. Set ``AIOENGINE_CPU_KERNELS=0`` to use the torch implementations throughout.
 
 ``load()`` returns the module, or None when the kernels are switched off or the
 build fails (no compiler, say); the reason is logged once and callers fall back
@@ -20,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from pathlib import Path
 
@@ -29,7 +31,11 @@ from . import reference
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+#: Set once ``LlamaDecodeLayers`` takes quantized projections (the model gates on it).
+QUANTIZED_DECODE_LAYERS = True
+#: Every file of the build (sources and headers), in a fixed order.
+_FILES = sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -42,15 +48,23 @@ def enabled() -> bool:
 
 
 def _build_key() -> str:
-    """Hash of the source and the CPU: one build per (kernel source, instruction set), shared
-    by every checkout of the same source (``-march=native`` makes a build CPU-specific)."""
+    """Hash of every csrc file, the CPU, the Python environment and torch's version.
+
+    ``-march=native`` makes a build CPU-specific, so the CPU's flags are in the key; the
+    environment (``sys.prefix``) and torch's version are because the extension links
+    against that torch (issue 23: two venvs on one machine rebuilt each other's kernels).
+    """
     cpu = platform.machine()
     try:
         with open("/proc/cpuinfo") as f:  # x86: "flags"; arm64: "Features"
             cpu += "".join(sorted({line for line in f if line.startswith(("flags", "Features"))}))
     except OSError:
         pass
-    return hashlib.sha256(_SOURCE.read_bytes() + cpu.encode()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for path in _FILES:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(f"{cpu}\0{sys.prefix}\0{torch.__version__}".encode())
+    return digest.hexdigest()[:12]
 
 
 def _build_root() -> Path:
@@ -68,13 +82,17 @@ def _build():
     name = f"aioengine_cpu_ops_{_build_key()}"
     build_dir = _build_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    # Build from a copy inside the build directory, so every checkout of the same source
-    # passes the same path and finds the build up to date.
-    source = build_dir / _SOURCE.name
-    if not source.exists() or source.read_bytes() != _SOURCE.read_bytes():
-        tmp = build_dir / f".{_SOURCE.name}.{os.getpid()}"
-        tmp.write_bytes(_SOURCE.read_bytes())
-        os.replace(tmp, source)
+    # Build from copies inside the build directory, so every checkout of the same sources
+    # passes the same paths and finds the build up to date.
+    sources = []
+    for path in _FILES:
+        copy = build_dir / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():
+            tmp = build_dir / f".{path.name}.{os.getpid()}"
+            tmp.write_bytes(path.read_bytes())
+            os.replace(tmp, copy)
+        if path.suffix == ".cpp":
+            sources.append(str(copy))
     # torch guards a build with a ``lock`` file that a killed builder leaves behind, and
     # its waiters then wait forever. An flock, which the kernel drops when its holder
     # dies, serialises our builders instead; whoever holds it may clear such a lock.
@@ -84,7 +102,7 @@ def _build():
         if stale.exists():
             logger.warning("removing %s, left by a build that did not finish", stale)
             stale.unlink(missing_ok=True)
-        return load_extension(name=name, sources=[str(source)], build_directory=str(build_dir),
+        return load_extension(name=name, sources=sources, build_directory=str(build_dir),
                               extra_cflags=["-O3", "-march=native", "-fopenmp"],
                               extra_ldflags=["-lmvec"], verbose=False)
 
@@ -192,26 +210,74 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return ops.linear(x.contiguous(), weight, bias)
 
 
+def weight_parts(weight) -> tuple[list[torch.Tensor], list[int], int] | None:
+    """A linear weight as the C++ kernels take it: ``(parts, qtypes, cols)``.
+
+    ``weight`` is a dense ``[N, K]`` tensor, a ``quant.QuantizedWeight`` or a tuple of
+    them (``quant.fuse_rows``); a dense part becomes GGML type F32 (0). None when a part
+    is not covered: a dense part that is not a 2-D fp32 CPU tensor, a quantized one off
+    the CPU, or parts of different widths.
+    """
+    from .quant import QuantizedWeight  # quant imports this module
+
+    parts: list[torch.Tensor] = []
+    qtypes: list[int] = []
+
+    def add(w) -> bool:
+        if isinstance(w, tuple):
+            return all(add(p) for p in w)
+        if isinstance(w, QuantizedWeight):
+            if w.data.device.type != "cpu":
+                return False
+            parts.append(w.data)
+            qtypes.append(int(w.qtype))
+            return True
+        if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32
+                and w.device.type == "cpu" and not w.is_neg() and w.stride(-1) == 1):
+            parts.append(w)
+            qtypes.append(0)
+            return True
+        return False
+
+    if not add(weight) or not parts:
+        return None
+    cols = {int(p.shape[1]) if q == 0 else int(_cols(p, q)) for p, q in zip(parts, qtypes)}
+    return (parts, qtypes, cols.pop()) if len(cols) == 1 else None
+
+
+def _cols(data: torch.Tensor, qtype: int) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return data.shape[1] // type_size * block_size
+
+
 class LlamaDecodeLayers:
     """A Llama-family model's decoder layers for a decode step, in one C++ call.
 
     Between two weight-streaming matmuls every small op of the Python forward starts with
     cold caches and costs 30-40 us instead of a few; at batch 1 on the dev machine that
     was about 8 ms of a 35 ms step. The C++ ``LlamaDecodeLayers`` runs the whole layer
-    stack (norms, projections through ``linear``'s kernels, RoPE, cache write, paged
-    decode attention, SwiGLU) without returning to Python (the "no bubbles" idea of
-    decode megakernels; Hazy Research, "Look Ma, No Bubbles!", 2025).
+    stack (norms, projections through ``linear``'s kernels or the quantized ones, RoPE,
+    cache write, paged decode attention, SwiGLU) without returning to Python (the "no
+    bubbles" idea of decode megakernels; Hazy Research, "Look Ma, No Bubbles!", 2025).
 
     Args:
         layers: per layer ``(input_layernorm [hidden], post_attention_layernorm [hidden],
             qkv_proj [(H + 2 * KVH) * D, hidden], qkv_bias or None, o_proj [hidden, H * D],
-            gate_up_proj [2 * I, hidden], down_proj [hidden, I])``.
+            gate_up_proj [2 * I, hidden], down_proj [hidden, I])``; each projection a dense
+            fp32 tensor, a ``quant.QuantizedWeight`` or a tuple of parts whose outputs are
+            concatenated (``quant.fuse_rows``; Q4_K_M files mix Q4_K and Q6_K in QKV).
         final_norm: ``[hidden]``.
         num_heads, num_kv_heads, head_dim: attention shape (H, KVH, D).
         eps: RMSNorm epsilon.
 
-    ``available`` is False (and the caller keeps its torch path) unless the weights are
-    fp32 and the kernels are built.
+    ``available`` is False (and the caller keeps its torch path) unless the norms and
+    dense weights are fp32 CPU tensors, quantized ones are on the CPU and the kernels are
+    built. ``QUANTIZED_DECODE_LAYERS`` says this class takes quantized projections.
+
+    Raises:
+        RuntimeError: (from C++) weights of shapes that do not fit the attention shape.
     """
 
     def __init__(self, layers, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -223,8 +289,23 @@ class LlamaDecodeLayers:
         if ops is None:
             return
         empty = final_norm.new_empty(0)
-        flat = [t if t is not None else empty for layer in layers for t in layer] + [final_norm]
-        self._impl = ops.LlamaDecodeLayers(flat, num_heads, num_kv_heads, head_dim, eps)
+        norms: list[torch.Tensor] = []
+        parts: list[list[torch.Tensor]] = []
+        qtypes: list[list[int]] = []
+        for in_norm, post_norm, qkv, qkv_bias, o_proj, gate_up, down in layers:
+            small = [in_norm, post_norm, empty if qkv_bias is None else qkv_bias]
+            if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in small):
+                return
+            norms += small
+            for weight in (qkv, o_proj, gate_up, down):
+                spec = weight_parts(weight)
+                if spec is None:
+                    return
+                parts.append(spec[0])
+                qtypes.append(spec[1])
+        norms.append(final_norm)
+        self._impl = ops.LlamaDecodeLayers(norms, parts, qtypes, num_heads, num_kv_heads,
+                                           head_dim, eps)
 
     @property
     def available(self) -> bool:

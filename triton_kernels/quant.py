@@ -8,8 +8,9 @@ block_size`` blocks of the format, rows back to back, so ``data`` is a uint8 ten
 (``ggml/src/ggml-common.h``; the ``gguf`` package's ``quants.py`` is their Python twin).
 
 The model calls only ``linear``, ``embedding`` and ``fuse_rows``; each runs the C++
-kernels on CPU tensors when they are built (``cpu_ops``), Triton on CUDA, and the
-dequantize-then-``F.linear`` torch path otherwise.
+kernels (``csrc/quant_ops.cpp``) on fp32 CPU activations when they are built
+(``cpu_ops.load()``), Triton on CUDA (``quant_triton.dequant_matmul``), and the
+dequantize-then-``F.linear`` torch path (``quant_reference``) otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
+
+from . import cpu_ops, quant_reference
 
 __all__ = [
     "SUPPORTED_QTYPES",
@@ -85,11 +88,9 @@ class QuantizedWeight:
         return self.data.device
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight as a dense ``[rows, cols]`` tensor (bit-exact with
-        ``gguf.quants.dequantize``)."""
-        values = gguf_quants.dequantize(self.data.cpu().numpy(), self.qtype)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(
-            device=self.data.device, dtype=dtype)
+        """The weight as a dense ``[rows, cols]`` tensor on ``data``'s device, through
+        ``quant_reference`` (bit-exact with ``gguf.quants.dequantize`` in fp32)."""
+        return quant_reference.dequantize(self.data, self.qtype).to(dtype)
 
     def slice_rows(self, start: int, stop: int) -> QuantizedWeight:
         """Rows ``[start, stop)`` (a view of ``data``)."""
@@ -145,26 +146,84 @@ def _shape(w: Weight) -> tuple[int, int]:
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``.
 
+    fp32 CPU activations with CPU weights go to the C++ kernels (GEMV up to 8 rows, a
+    tile-buffered GEMM above; ``csrc/quant_ops.h``), CUDA ones to
+    ``quant_triton.dequant_matmul``; anything else (other dtypes, activations that need
+    gradients, no C++ build) dequantizes with ``quant_reference`` and calls ``F.linear``.
+
     Args:
-        x: ``[M, K]`` activations.
+        x: ``[..., K]`` activations.
         weight: ``[N, K]`` dense, quantized, or a tuple of parts (``fuse_rows``).
         bias: ``[N]`` or None.
 
     Returns:
-        ``[M, N]`` in ``x``'s dtype.
+        ``[..., N]`` in ``x``'s dtype.
     """
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight.to(x.dtype), bias)
+    if x.device.type == "cuda":
+        return _cuda_linear(x, weight, bias)
+    out = _cpu_linear(x, weight, bias)
+    if out is not None:
+        return out
     if isinstance(weight, tuple):
         out = torch.cat([linear(x, part) for part in weight], dim=-1)
         return out if bias is None else out + bias
     return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
+def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
+    """The C++ path, or None where it does not apply."""
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] == 0
+            or (torch.is_grad_enabled() and x.requires_grad)):
+        return None
+    if bias is not None and not (bias.dtype == torch.float32 and bias.device.type == "cpu"
+                                 and bias.dim() == 1 and not bias.requires_grad):
+        return None
+    ops = cpu_ops.load()
+    spec = cpu_ops.weight_parts(weight) if ops is not None else None
+    if spec is None:
+        return None
+    parts, qtypes, cols = spec
+    rows = sum(int(p.shape[0]) for p in parts)
+    if cols != x.shape[-1] or (bias is not None and bias.shape[0] != rows):
+        return None  # let the torch path raise its usual shape error
+    x2 = x.reshape(-1, cols)
+    if x2.stride(-1) != 1 or x2.is_neg():
+        x2 = x2.contiguous()
+    out = ops.quant_linear(x2, parts, qtypes, cols,
+                           None if bias is None else bias.contiguous())
+    return out.reshape(*x.shape[:-1], rows)
+
+
+def _cuda_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    from .quant_triton import dequant_matmul  # written beside this module; CUDA only
+
+    if isinstance(weight, tuple):
+        out = torch.cat([_cuda_linear(x, part, None) for part in weight], dim=-1)
+        return out if bias is None else out + bias
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight.to(x.dtype), bias)
+    out = dequant_matmul(x.reshape(-1, x.shape[-1]), weight.data, weight.qtype, weight.shape,
+                         bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def embedding(ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """Rows ``ids`` (``[T]`` int64) of an embedding table ``[vocab, hidden]`` as fp32
-    ``[T, hidden]`` (only those rows are dequantized)."""
+    """Rows ``ids`` (int64, any shape ``[...]``) of an embedding table ``[vocab, hidden]``
+    as fp32 ``[..., hidden]``; only those rows are dequantized (in C++ on the CPU when the
+    kernels are built).
+
+    Raises:
+        IndexError or RuntimeError: an id outside ``[0, vocab)``.
+    """
     if isinstance(weight, torch.Tensor):
         return F.embedding(ids, weight)
-    rows = QuantizedWeight(weight.data[ids], weight.qtype, (ids.numel(), weight.shape[1]))
-    return rows.dequantize(torch.float32)
+    cols = weight.shape[1]
+    ops = cpu_ops.load() if weight.data.device.type == "cpu" else None
+    if ops is not None:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        return ops.quant_embedding(flat, weight.data, int(weight.qtype), cols).reshape(
+            *ids.shape, cols)
+    rows = weight.data[ids.reshape(-1)]
+    return quant_reference.dequantize(rows, weight.qtype).reshape(*ids.shape, cols)

@@ -8,22 +8,24 @@ Block layouts are llama.cpp's (``ggml/src/ggml-common.h``: ``block_q8_0``,
 ``block_q5_K``, ``block_q6_K``), decoded as ``dequantize_row_*`` in
 ``ggml/src/ggml-quants.c`` and the ``gguf`` package's ``quants.py`` do.
 
-- ``_dequant_elements``: the one place that knows the layouts. Given, for each element,
-  a pointer to its block and its index inside the block, it loads the bytes it needs
-  (scale, min, packed sub-block scales, nibble, high bit) and returns the fp32 value.
-  Being elementwise it works on tiles of any shape and orientation; the products it
-  forms (fp16 scale x small integers) are exact in fp32, so the values are bit-exact
+- ``_dequant_tile``: the one place that knows the layouts. It decodes a ``[BLOCK_N,
+  BLOCK_K]`` tile of the weight from its packed rows, worked on as ``[BLOCK_N, groups,
+  GROUP]`` where GROUP elements share a scale (a legacy block or a K-quant sub-block of
+  32, a Q6_K scale's 16): scales, mins and the 6-bit K-quant sub-block scales are
+  decoded once per group, the quants (nibbles, high bits) per element. Every product
+  it forms (fp16 scale x small integers) is exact in fp32, so the values are bit-exact
   with the reference whatever the compiler fuses into FMAs.
 - ``_dequantize_kernel``: ``[BLOCK_N, BLOCK_K]`` tiles of the dense weight, written out
   (for prefill-sized M: dequantize once, then cuBLAS).
 - ``_dequant_matmul_kernel``: ``y = x @ W.T (+ bias)`` with tiles ``BLOCK_M x BLOCK_N``
-  over ``BLOCK_K`` steps (a multiple of the block size): each step loads an ``x`` tile,
-  decodes the ``[BLOCK_K, BLOCK_N]`` weight tile in registers from the packed bytes
-  and feeds ``tl.dot`` (fp32 accumulation), so the weight crosses memory once, packed.
+  over ``BLOCK_K`` steps (a multiple of GROUP): each step loads an ``x`` tile, decodes
+  the weight tile in registers from the packed bytes and feeds ``tl.dot`` (fp32
+  accumulation), so the weight crosses memory once, packed.
   Programs are ordered in groups of ``GROUP_M`` row tiles as in the Triton matmul
   tutorial, so neighbouring programs share weight tiles in L2.
 
-Torch twin: ``QuantizedWeight.dequantize`` (``gguf.quants.dequantize``) and ``F.linear``.
+Torch twin: ``QuantizedWeight.dequantize`` and ``F.linear``; the tests compare with
+``gguf.quants.dequantize`` itself.
 """
 
 from __future__ import annotations
@@ -94,106 +96,135 @@ def _k_scale_min(scales_ptr, sub, mask):
 
 
 @triton.jit
-def _dequant_elements(block_ptr, j, mask, QTYPE: tl.constexpr):
-    """fp32 values of elements ``j`` (int32, 0 <= j < block size) of the blocks that
-    start at ``block_ptr`` (uint8 pointers). Any shape; ``j`` broadcasts against
-    ``block_ptr``; masked elements read no memory and come out 0.
+def _dequant_tile(w_ptr, offs_n, mask_n, k_start, K, stride_wn,
+                  QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``W[offs_n, k_start : k_start + BLOCK_K]`` as ``[BLOCK_N, BLOCK_K]``, decoded
+    from the packed rows at ``w_ptr`` (0 where masked: rows past ``mask_n``, columns past
+    ``K``; masked bytes are never read).
 
-    Field offsets in bytes, as in llama.cpp's ``block_*`` structs (d, dmin: fp16):
-    Q8_0 {d, qs[32] int8}; Q4_0 {d, qs[16]}; Q4_1 {d, m, qs[16]}; Q5_0 {d, qh u32, qs[16]};
-    Q5_1 {d, m, qh u32, qs[16]} (element j: low nibble of qs[j] for j < 16, high
-    nibble of qs[j - 16] after; fifth bit: bit j of qh); Q4_K {d, dmin, scales[12],
-    qs[128]}; Q5_K {d, dmin, scales[12], qh[32], qs[128]}; Q6_K {ql[128], qh[64],
-    scales[16] int8, d}; F16/BF16: one 2-byte element per "block".
+    The tile is worked on as ``[BLOCK_N, BLOCK_K / GROUP, GROUP]``: GROUP elements share
+    one scale (and min), which are decoded once per group as ``[BLOCK_N, groups]``; only
+    the quants are loaded per element. Byte offsets of the fields are those of
+    llama.cpp's ``block_*`` structs (d, dmin, m: fp16; j: an element's index in its block):
+    Q8_0 {d, qs[32] int8}; Q4_0 {d, qs[16]}; Q4_1 {d, m, qs[16]}; Q5_0 {d, qh u32,
+    qs[16]}; Q5_1 {d, m, qh u32, qs[16]} (low nibble of qs[j] for j < 16, high nibble
+    of qs[j - 16] after, fifth bit = bit j of qh); Q4_K {d, dmin, scales[12], qs[128]};
+    Q5_K {d, dmin, scales[12], qh[32], qs[128]}; Q6_K {ql[128], qh[64], scales[16] int8,
+    d}. Every product below is fp16 scale x small integers, exact in fp32, so the values
+    equal ``gguf.quants.dequantize`` bit for bit whatever the compiler fuses into FMAs.
     """
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    if QTYPE == F16 or QTYPE == BF16:
+        w = _dense16_tile(rows, mask_n, k_start, K, QTYPE == BF16, BLOCK_K)
+    else:
+        w = _block_tile(rows, mask_n, k_start, K, QTYPE, QK, TYPE_SIZE, GROUP,
+                        BLOCK_N, BLOCK_K)
+    return w
+
+
+@triton.jit
+def _dense16_tile(rows, mask_n, k_start, K, IS_BF16: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_dequant_tile`` of an F16 or BF16 weight (little-endian 2-byte elements)."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    mask = mask_n[:, None] & (offs_k < K)[None, :]
+    ptr = rows + (offs_k * 2)[None, :]
+    bits = _load_u8(ptr, mask) | (_load_u8(ptr + 1, mask) << 8)
+    if IS_BF16:
+        w = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        w = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _block_tile(rows, mask_n, k_start, K, QTYPE: tl.constexpr, QK: tl.constexpr,
+                TYPE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """``_dequant_tile`` of a block format; ``rows``: ``[BLOCK_N, 1]`` row pointers."""
+    # K is a whole number of blocks (and so of groups): a group is all in or all out.
+    group_k = k_start + tl.arange(0, BLOCK_K // GROUP) * GROUP  # first column of each group
+    mask2 = mask_n[:, None] & (group_k < K)[None, :]  # [BLOCK_N, groups]
+    block2 = rows + ((group_k // QK) * TYPE_SIZE)[None, :]  # each group's block
+    g = ((group_k % QK) // GROUP)[None, :]  # the group's index in its block
+    j = g[:, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]  # [1, groups, GROUP]
+    block3 = block2[:, :, None]
+    mask3 = mask2[:, :, None]
     if QTYPE == Q8_0:
-        d = _load_f16(block_ptr, mask)
-        q = tl.load(block_ptr + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-        w = q.to(tl.float32) * d
+        d = _load_f16(block2, mask2)
+        q = tl.load(block3 + 2 + j, mask=mask3, other=0).to(tl.int8, bitcast=True)
+        w = q.to(tl.float32) * d[:, :, None]
     elif QTYPE == Q4_0:
-        d = _load_f16(block_ptr, mask)
-        q = _nibble(block_ptr + 2 + j % 16, (j // 16) * 4, mask)
-        w = (q - 8).to(tl.float32) * d
+        d = _load_f16(block2, mask2)
+        q = _nibble(block3 + 2 + j % 16, (j // 16) * 4, mask3)
+        w = (q - 8).to(tl.float32) * d[:, :, None]
     elif QTYPE == Q4_1:
-        d = _load_f16(block_ptr, mask)
-        m = _load_f16(block_ptr + 2, mask)
-        q = _nibble(block_ptr + 4 + j % 16, (j // 16) * 4, mask)
-        w = d * q.to(tl.float32) + m
+        d = _load_f16(block2, mask2)
+        m = _load_f16(block2 + 2, mask2)
+        q = _nibble(block3 + 4 + j % 16, (j // 16) * 4, mask3)
+        w = d[:, :, None] * q.to(tl.float32) + m[:, :, None]
     elif QTYPE == Q5_0:
-        d = _load_f16(block_ptr, mask)
-        high = (_load_u8(block_ptr + 2 + j // 8, mask) >> (j % 8)) & 1
-        q = _nibble(block_ptr + 6 + j % 16, (j // 16) * 4, mask) | (high << 4)
-        w = (q - 16).to(tl.float32) * d
+        d = _load_f16(block2, mask2)
+        high = (_load_u8(block3 + 2 + j // 8, mask3) >> (j % 8)) & 1
+        q = _nibble(block3 + 6 + j % 16, (j // 16) * 4, mask3) | (high << 4)
+        w = (q - 16).to(tl.float32) * d[:, :, None]
     elif QTYPE == Q5_1:
-        d = _load_f16(block_ptr, mask)
-        m = _load_f16(block_ptr + 2, mask)
-        high = (_load_u8(block_ptr + 4 + j // 8, mask) >> (j % 8)) & 1
-        q = _nibble(block_ptr + 8 + j % 16, (j // 16) * 4, mask) | (high << 4)
-        w = d * q.to(tl.float32) + m
-    elif QTYPE == Q4_K:
-        # 8 sub-blocks of 32; qs byte i of 64-element chunk c holds elements c*64 + i
-        # (low nibble) and c*64 + 32 + i (high nibble).
-        sub = j // 32
-        d = _load_f16(block_ptr, mask)
-        dmin = _load_f16(block_ptr + 2, mask)
-        scale, minimum = _k_scale_min(block_ptr + 4, sub, mask)
-        q = _nibble(block_ptr + 16 + (j // 64) * 32 + j % 32, (sub % 2) * 4, mask)
-        w = (d * scale) * q.to(tl.float32) - dmin * minimum
-    elif QTYPE == Q5_K:
-        # As Q4_K, plus a fifth bit: bit `sub` of qh[j % 32].
-        sub = j // 32
-        d = _load_f16(block_ptr, mask)
-        dmin = _load_f16(block_ptr + 2, mask)
-        scale, minimum = _k_scale_min(block_ptr + 4, sub, mask)
-        high = (_load_u8(block_ptr + 16 + j % 32, mask) >> sub) & 1
-        q = _nibble(block_ptr + 48 + (j // 64) * 32 + j % 32, (sub % 2) * 4, mask)
-        q = q | (high << 4)
-        w = (d * scale) * q.to(tl.float32) - dmin * minimum
-    elif QTYPE == Q6_K:
-        # Two halves of 128; in half h, element r takes a nibble of ql[h*64 + r % 64]
-        # (low for r < 64) and 2 bits of qh[h*32 + r % 32] (pair r // 32); an int8
-        # scale per 16 elements.
+        d = _load_f16(block2, mask2)
+        m = _load_f16(block2 + 2, mask2)
+        high = (_load_u8(block3 + 4 + j // 8, mask3) >> (j % 8)) & 1
+        q = _nibble(block3 + 8 + j % 16, (j // 16) * 4, mask3) | (high << 4)
+        w = d[:, :, None] * q.to(tl.float32) + m[:, :, None]
+    elif QTYPE == Q4_K or QTYPE == Q5_K:
+        # Groups are the 8 sub-blocks of 32. qs byte i of 64-element chunk c holds
+        # elements c*64 + i (low nibble) and c*64 + 32 + i (high nibble); Q5_K's fifth
+        # bit of element j is bit j // 32 of qh[j % 32].
+        scale, minimum = _k_scale_min(block2 + 4, g, mask2)
+        a = _load_f16(block2, mask2) * scale
+        b = _load_f16(block2 + 2, mask2) * minimum
+        qs_at = 16 if QTYPE == Q4_K else 48
+        q = _nibble(block3 + qs_at + (j // 64) * 32 + j % 32, ((j // 32) % 2) * 4, mask3)
+        if QTYPE == Q5_K:
+            q = q | (((_load_u8(block3 + 16 + j % 32, mask3) >> (j // 32)) & 1) << 4)
+        w = a[:, :, None] * q.to(tl.float32) - b[:, :, None]
+    else:
+        # Q6_K, groups of 16 (one int8 scale each). In half h of the block, element r
+        # takes a nibble of ql[h*64 + r % 64] (low for r < 64) and bit pair r // 32 of
+        # qh[h*32 + r % 32].
+        tl.static_assert(QTYPE == Q6_K, "unsupported GGML type")
+        scale = tl.load(block2 + 192 + g, mask=mask2, other=0).to(tl.int8, bitcast=True)
+        a = _load_f16(block2 + 208, mask2) * scale.to(tl.float32)
         half = j // 128
         r = j % 128
-        low = _nibble(block_ptr + half * 64 + r % 64, (r // 64) * 4, mask)
-        high = (_load_u8(block_ptr + 128 + half * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
-        q = (low | (high << 4)) - 32
-        scale = tl.load(block_ptr + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
-        d = _load_f16(block_ptr + 208, mask)
-        w = (d * scale.to(tl.float32)) * q.to(tl.float32)
-    elif QTYPE == F16:
-        w = _load_f16(block_ptr + j, mask)
-    else:
-        tl.static_assert(QTYPE == BF16, "unsupported GGML type")
-        bits = (_load_u8(block_ptr + j, mask) | (_load_u8(block_ptr + j + 1, mask) << 8))
-        w = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    return w
+        low = _nibble(block3 + half * 64 + r % 64, (r // 64) * 4, mask3)
+        high = (_load_u8(block3 + 128 + half * 32 + r % 32, mask3) >> ((r // 32) * 2)) & 3
+        w = a[:, :, None] * ((low | (high << 4)) - 32).to(tl.float32)
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
 def _dequantize_kernel(
     w_ptr, out_ptr, N, K, stride_wn, stride_on,
-    QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+    QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Grid: (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)); one [BLOCK_N, BLOCK_K] tile each.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    rows = offs_n.to(tl.int64)[:, None]
-    block_ptr = w_ptr + rows * stride_wn + ((offs_k // QK) * TYPE_SIZE)[None, :]
-    w = _dequant_elements(block_ptr, (offs_k % QK)[None, :], mask, QTYPE)
-    tl.store(out_ptr + rows * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    k_start = tl.program_id(1) * BLOCK_K
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    w = _dequant_tile(w_ptr, offs_n, mask_n, k_start, K, stride_wn,
+                      QTYPE, QK, TYPE_SIZE, GROUP, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_k < K)[None, :])
 
 
 @triton.jit
 def _dequant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_ym,
-    QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # 1D grid in grouped order (Triton matmul tutorial): GROUP_M row tiles walk the
     # column tiles together, so a weight tile is reused from L2 by GROUP_M programs.
@@ -212,17 +243,14 @@ def _dequant_matmul_kernel(
     mask_n = offs_n < N
     offs_kb = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_kb[None, :] * stride_xk
-    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
-        offs_k = k_start + offs_kb
-        mask_k = offs_k < K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        # The transposed weight tile [BLOCK_K, BLOCK_N], decoded from its packed bytes.
-        block_ptr = w_rows + ((offs_k // QK) * TYPE_SIZE)[:, None]
-        w = _dequant_elements(block_ptr, (offs_k % QK)[:, None],
-                              mask_k[:, None] & mask_n[None, :], QTYPE)
-        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (k_start + offs_kb < K)[None, :],
+                    other=0.0)
+        # The weight tile [BLOCK_N, BLOCK_K], decoded from its packed bytes in registers.
+        w = _dequant_tile(w_ptr, offs_n, mask_n, k_start, K, stride_wn,
+                          QTYPE, QK, TYPE_SIZE, GROUP, BLOCK_N, BLOCK_K)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -240,6 +268,12 @@ _INTERPRETED = not isinstance(_dequant_matmul_kernel, triton.runtime.JITFunction
 DEQUANT_THEN_GEMM_MIN_M = 64
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _group(qtype: GGMLQuantizationType) -> int:
+    """Elements that share one scale: a Q6_K scale covers 16, a Q4_K/Q5_K sub-block and
+    every legacy block 32; F16/BF16 have none (the tile is decoded elementwise)."""
+    return 16 if qtype == QT.Q6_K else 1 if qtype in (QT.F16, QT.BF16) else 32
 
 
 def _check_qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
@@ -278,7 +312,7 @@ def _check_device(data: torch.Tensor) -> None:
     # Checked after every other argument, so the argument errors can be tested on CPU.
     if data.device.type != "cuda" and not _INTERPRETED:
         raise ValueError(f"the Triton quantized kernels need CUDA tensors, got {data.device}; "
-                         "use triton_kernels.quant.linear, which runs the torch path on CPU")
+                         "use triton_kernels.quant.linear, which has CPU paths")
 
 
 def dequantize(data: torch.Tensor, qtype: GGMLQuantizationType | int,
@@ -314,28 +348,34 @@ def dequantize(data: torch.Tensor, qtype: GGMLQuantizationType | int,
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     _dequantize_kernel[grid](
         data, out, n, k, data.stride(0), out.stride(0),
-        QTYPE=int(qtype), QK=block_size, TYPE_SIZE=type_size,
+        QTYPE=int(qtype), QK=block_size, TYPE_SIZE=type_size, GROUP=_group(qtype),
         BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return out
 
 
-def _matmul_config(m: int, qtype: GGMLQuantizationType) -> dict:
-    """Tile sizes and launch parameters for ``_dequant_matmul_kernel`` (heuristics, not
-    yet tuned on a GPU). BLOCK_K is a whole number of blocks (256 = one K-quant
-    super-block per row per step); small M (decode) gets narrow column tiles so that a
-    GEMV still spreads over many SMs; 8 warps once the decoded weight tile passes 4096
-    elements, to keep its per-thread share (and the decode's temporaries) in registers."""
+def _matmul_config(m: int, qtype: GGMLQuantizationType, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch parameters for ``_dequant_matmul_kernel``.
+
+    Chosen so that ptxas (sm_90, Triton 3.9) keeps the decoded tile in registers:
+    at most about 32 weight elements per thread, and no spills but a few bytes for
+    Q5_K at 64 rows. Not yet timed on a GPU. Small M (decode) gets narrow column tiles,
+    so that a GEMV still spreads over many SMs, and for K-quants one whole super-block
+    per row per step; from 17 rows, 64-wide K steps (two legacy blocks, two K-quant
+    sub-blocks: the decoder needs only whole groups, not whole super-blocks). fp32
+    ``x`` goes through IEEE FMAs, not tensor cores, and gets small K steps.
+    """
     k_quant = qtype in _K_QUANTS
     if _INTERPRETED:  # small tiles: several programs and K steps on tiny test shapes
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256 if k_quant else 64,
                 "GROUP_M": 2}
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 32 if m <= 16 else 64
-    block_k = 256 if k_quant else 128
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
-            "num_warps": 8 if block_n * block_k > 4096 else 4,
-            "num_stages": 2 if k_quant else 3}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4}
+    if m <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256 if k_quant else 128,
+                "GROUP_M": 8, "num_warps": 8 if k_quant else 4}
+    return {"BLOCK_M": 32 if m <= 32 else 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8,
+            "num_warps": 8}
 
 
 def dequant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationType | int,
@@ -395,12 +435,13 @@ def dequant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationT
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    config = _matmul_config(m, qtype)
+    config = _matmul_config(m, qtype, x.dtype)
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     _dequant_matmul_kernel[grid](
         x, data, bias if bias is not None else y, y, m, n, k,
         x.stride(0), x.stride(1), data.stride(0), y.stride(0),
-        QTYPE=int(qtype), QK=block_size, TYPE_SIZE=type_size, HAS_BIAS=bias is not None,
+        QTYPE=int(qtype), QK=block_size, TYPE_SIZE=type_size, GROUP=_group(qtype),
+        HAS_BIAS=bias is not None,
         # fp32 inputs would otherwise go through TF32 tensor cores (10-bit mantissa).
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         **config,

@@ -1,16 +1,23 @@
-"""``aioengine chat``: a terminal chat client over the WebSocket API (``/v1/ws``).
+r"""``aioengine chat``: a terminal chat client over the WebSocket API (``/v1/ws``).
 
 It talks to a running server (``--url ws://HOST:PORT/v1/ws``) or, without
 ``--url``, starts the same server app in this process on a free loopback port
 (uvicorn in a background thread) and talks to that, so both paths speak the
 one protocol written down in docs/websocket.md.
 
-Terminal behaviour: answers stream as they come; the conversation is kept and
-sent whole each turn (the server's prefix cache makes the repeat cheap);
-``/reset`` and ``/system TEXT`` change it; Ctrl-C during an answer sends
-``cancel`` and returns to the prompt, Ctrl-C at the prompt clears the line,
-Ctrl-D leaves. After each answer one line shows tokens/s, time to first
-token and the prompt tokens the prefix cache supplied.
+Terminal behaviour: answers stream as they come and, once complete, are
+shown again rendered as Markdown (``rich``) when they fit on the screen; the
+conversation is kept and sent whole each turn (the server's prefix cache makes
+the repeat cheap); ``/clear`` (or ``/reset``) and ``/system TEXT`` change it;
+``/quit``, ``/exit`` or Ctrl-D leave; Ctrl-C during an answer sends ``cancel``
+and returns to the prompt, Ctrl-C at the prompt clears the line. Esc then
+Enter, or a line ending in ``\``, continues the message on a new line. Input
+history persists across runs (prompt_toolkit's ``FileHistory`` in
+``$XDG_STATE_HOME/aioengine/chat_history``, default
+``~/.local/state/aioengine/chat_history``; ``--history-file`` or env
+``AIOENGINE_CHAT_HISTORY`` override it, an empty value keeps none). After each
+answer one line shows tokens/s, time to first token and the prompt tokens the
+prefix cache supplied.
 
 Importing this module stays light (``cli.py`` imports it to register the
 subcommand): websockets, prompt_toolkit and rich load when the command runs.
@@ -30,15 +37,20 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 HELP = """\
-/reset          forget the conversation (the system prompt stays)
+/clear          forget the conversation (the system prompt stays); also /reset
 /system TEXT    set the system prompt and start over; /system alone clears it
 /temperature X  sampling temperature (0 = greedy)
 /max-tokens N   longest answer in tokens
+/quit, /exit    leave (so does Ctrl-D on an empty line)
 /help           this list
-Ctrl-C stops an answer, Ctrl-D (on an empty line) quits."""
+Esc then Enter, or a line ending in \\, starts a new line in the message.
+Ctrl-C stops an answer; Up/Down walk the input history (kept across runs)."""
+
+HISTORY_ENV = "AIOENGINE_CHAT_HISTORY"
 
 CANCEL_GRACE_S = 10.0   # how long to wait for the server's "done" after a cancel
 CONNECT_TIMEOUT_S = 10.0
@@ -55,6 +67,38 @@ def terminal_safe(text: str) -> str:
 
 class ChatError(RuntimeError):
     """The server refused a request or the connection failed (message for the user)."""
+
+
+class QuitChat(Exception):
+    """``/quit`` or ``/exit``: leave the loop (exit status 0)."""
+
+
+def history_path(override: str | None = None) -> Path | None:
+    """Where the input history lives: ``override`` (``--history-file``), else env
+    ``AIOENGINE_CHAT_HISTORY``, else ``$XDG_STATE_HOME/aioengine/chat_history``
+    (``~/.local/state/...`` without it, per the XDG base directory spec). An
+    empty override or variable means no file: the history lasts one run."""
+    chosen = override if override is not None else os.environ.get(HISTORY_ENV)
+    if chosen is not None:
+        return Path(chosen).expanduser() if chosen else None
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "aioengine" / "chat_history"
+
+
+def render_markdown(console: Any, text: str) -> None:
+    """Print ``text`` as Markdown (headings, lists, code blocks) on ``console``."""
+    from rich.markdown import Markdown
+
+    console.print(Markdown(text, code_theme="monokai"))
+
+
+def screen_rows(text: str, width: int) -> int:
+    """Terminal rows ``text`` took when written raw at the start of a line, wrapping
+    at ``width`` columns (wide characters count twice)."""
+    from rich.cells import cell_len
+
+    width = max(1, width)
+    return sum(max(1, -(-cell_len(line) // width)) for line in text.split("\n"))
 
 
 @dataclass
@@ -268,7 +312,10 @@ class ChatREPL:
 
     PROMPT = "you> "
 
-    def __init__(self, connection: WSChatConnection, settings: ChatSettings, where: str) -> None:
+    CONTINUATION = "...  "
+
+    def __init__(self, connection: WSChatConnection, settings: ChatSettings, where: str,
+                 history_file: Path | None = None) -> None:
         from rich.console import Console
 
         self.connection = connection
@@ -277,7 +324,43 @@ class ChatREPL:
         self.console = Console(highlight=False, soft_wrap=True)
         self.streaming = False
         self.interactive = sys.stdin.isatty()
+        self.history_file = history_file
         self._session: Any = None
+
+    def _history(self) -> Any:
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+        if self.history_file is None:
+            return InMemoryHistory()
+        try:
+            self.history_file.parent.mkdir(parents=True, exist_ok=True)
+            self.history_file.touch(exist_ok=True)
+        except OSError as exc:
+            self.note(f"(history not kept: {self.history_file}: {exc.strerror or exc})",
+                      "yellow")
+            return InMemoryHistory()
+        return FileHistory(str(self.history_file))
+
+    @staticmethod
+    def _key_bindings() -> Any:
+        from prompt_toolkit.key_binding import KeyBindings
+
+        bindings = KeyBindings()
+
+        @bindings.add("enter")
+        def _(event: Any) -> None:
+            buffer = event.current_buffer
+            if buffer.document.is_cursor_at_the_end and buffer.text.endswith("\\"):
+                buffer.delete_before_cursor(1)  # "line\" + Enter: go on below
+                buffer.insert_text("\n")
+            else:
+                buffer.validate_and_handle()
+
+        @bindings.add("escape", "enter")
+        def _(event: Any) -> None:
+            event.current_buffer.insert_text("\n")
+
+        return bindings
 
     def note(self, text: str, style: str = "dim") -> None:
         from rich.text import Text
@@ -288,15 +371,24 @@ class ChatREPL:
         """The next line of input. Raises EOFError on Ctrl-D / end of input and
         KeyboardInterrupt on Ctrl-C at the prompt."""
         if not self.interactive:
-            line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-            if not line:
-                raise EOFError
-            return line.rstrip("\n")
+            loop = asyncio.get_running_loop()
+
+            async def next_line() -> str:
+                line = await loop.run_in_executor(None, sys.stdin.readline)
+                if not line:
+                    raise EOFError
+                return line.rstrip("\n")
+
+            text = await next_line()
+            while text.endswith("\\"):
+                text = text[:-1] + "\n" + await next_line()
+            return text
         if self._session is None:
             from prompt_toolkit import PromptSession
-            from prompt_toolkit.history import InMemoryHistory
 
-            self._session = PromptSession(history=InMemoryHistory())
+            self._session = PromptSession(
+                history=self._history(), key_bindings=self._key_bindings(),
+                prompt_continuation=lambda width, line, wrap: self.CONTINUATION)
         # Raw mode turns Ctrl-C into a key press here; our own SIGINT handler
         # (for Ctrl-C during an answer) must stay installed, so prompt_toolkit
         # is told not to swap signal handlers.
@@ -312,8 +404,8 @@ class ChatREPL:
         try:
             model = self.connection.model or "the model"
             self.note(f"aioengine chat - {model} at {self.where}", "bold")
-            self.note("Enter sends. /help lists commands; Ctrl-C stops an answer, "
-                      "Ctrl-D quits.")
+            self.note("Enter sends, Esc Enter (or a trailing \\) adds a line. /help lists "
+                      "commands; Ctrl-C stops an answer, /quit or Ctrl-D quits.")
             while True:
                 try:
                     line = await self.read_line()
@@ -325,7 +417,10 @@ class ChatREPL:
                 if not text:
                     continue
                 if text.startswith("/"):
-                    self.command(text)
+                    try:
+                        self.command(text)
+                    except QuitChat:
+                        break
                 else:
                     await self.ask(line)
         finally:
@@ -336,7 +431,9 @@ class ChatREPL:
         name, _, arg = text.partition(" ")
         arg = arg.strip()
         settings = self.conversation.settings
-        if name == "/reset":
+        if name in ("/quit", "/exit"):
+            raise QuitChat
+        if name in ("/clear", "/reset"):
             self.conversation.reset()
             self.note("(history cleared)")
         elif name == "/system":
@@ -367,9 +464,12 @@ class ChatREPL:
 
     async def ask(self, user_text: str) -> None:
         out = sys.stdout
+        shown: list[str] = []
 
         def on_delta(piece: str) -> None:
-            out.write(terminal_safe(piece))
+            piece = terminal_safe(piece)
+            shown.append(piece)
+            out.write(piece)
             out.flush()
 
         try:
@@ -387,11 +487,30 @@ class ChatREPL:
             self.streaming = False
         out.write("\n")
         out.flush()
+        self.show_as_markdown("".join(shown))
         # A stopped answer stays in the history as far as it got, like on the page.
         self.conversation.add(user_text, answer.text)
         if answer.finish_reason == "abort":
             self.note("(stopped)", "yellow")
         self.note(answer.summary())
+
+
+    def show_as_markdown(self, streamed: str) -> None:
+        """Replace the raw text just streamed with its Markdown rendering.
+
+        Only on a terminal, and only when the text fits on the screen: the
+        cursor can move back up over it and clear it then; a longer answer
+        stays as it streamed (its top has scrolled out of reach).
+        """
+        if not (self.interactive and sys.stdout.isatty() and streamed.strip()):
+            return
+        width, height = self.console.size
+        rows = screen_rows(streamed, width)
+        if rows >= height - 1:
+            return
+        sys.stdout.write(f"\x1b[{rows}F\x1b[J")  # up to the answer's first row, clear below
+        sys.stdout.flush()
+        render_markdown(self.console, streamed)
 
 
 # -- an embedded server ----------------------------------------------------------------------------
@@ -463,6 +582,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default="", help="system prompt")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--history-file", default=None, metavar="PATH",
+                   help=f"input history kept across runs (default: $XDG_STATE_HOME/aioengine/"
+                        f"chat_history or ~/.local/state/aioengine/chat_history; env "
+                        f"{HISTORY_ENV}; '' keeps none)")
     add_engine_args(p)
     p.set_defaults(func=run_chat)
 
@@ -495,7 +618,7 @@ def run_chat(args: argparse.Namespace) -> None:
     async def main() -> None:
         connection = WSChatConnection(url, args.api_key)
         await connection.connect()
-        await ChatREPL(connection, settings, where).run()
+        await ChatREPL(connection, settings, where, history_path(args.history_file)).run()
 
     try:
         asyncio.run(main())

@@ -1,5 +1,6 @@
-"""Checks ``aioengine serve`` runs before any heavy work, so a bad start ends
-in well under a second with one line on stderr and exit code 1.
+"""Checks ``aioengine serve`` (and ``generate``, ``chat``) runs before any heavy
+work, so a bad start ends in well under a second with one line on stderr and
+exit code 1.
 
 What is checked, each from cheap reads only (no torch, no transformers, no
 weights): the model file is a readable regular file, a GGUF file whose
@@ -22,6 +23,7 @@ milliseconds and skips the arrays.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import mmap
 import os
@@ -165,8 +167,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
         for _ in range(num_kv):
             key = r.string()
             header.metadata[key] = r.value(r.take("I"))
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
+        quant_sizes = _ggml_quant_sizes()
         ends = []
         for _ in range(num_tensors):
             name = r.string()
@@ -174,8 +175,8 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             dims = [r.take("Q") for _ in range(n_dims)]
             ggml_type, offset = r.take("I"), r.take("Q")
             try:
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-            except (ValueError, KeyError):
+                block, type_size = quant_sizes[ggml_type]
+            except KeyError:
                 raise StartupError(f"{what}: tensor {name} has unknown GGML type "
                                    f"{ggml_type}") from None
             numel = 1
@@ -189,6 +190,29 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             raise StartupError(f"{what} is truncated: {size} bytes, but its tensors need "
                                f"{header.data_end} (re-download it)")
     return header
+
+
+def _ggml_quant_sizes() -> dict[int, tuple[int, int]]:
+    """GGML type id -> (elements per block, bytes per block), from ``gguf.constants``.
+
+    That module needs only ``enum``; loaded from its file it spares importing
+    the ``gguf`` package (numpy and the rest: half a second, more on a busy
+    machine), which matters for a check meant to answer at once.
+    """
+    spec = importlib.util.find_spec("gguf")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    constants = None
+    for location in locations:
+        path = Path(location) / "constants.py"
+        if path.is_file():
+            file_spec = importlib.util.spec_from_file_location("_aioengine_gguf_constants", path)
+            if file_spec is not None and file_spec.loader is not None:
+                constants = importlib.util.module_from_spec(file_spec)
+                file_spec.loader.exec_module(constants)
+                break
+    if constants is None:
+        import gguf.constants as constants
+    return {int(t): sizes for t, sizes in constants.GGML_QUANT_SIZES.items()}
 
 
 def gguf_shape(header: GGUFHeader, path: str | Path) -> ModelShape:
@@ -256,21 +280,24 @@ def check_model(config: Any) -> ModelShape:
     if shape.num_layers <= 0 or shape.num_kv_heads <= 0 or shape.head_dim <= 0:
         raise StartupError(f"model {model_path} lacks its layer or attention-head counts")
     cache = config.cache
-    if cache.num_gpu_blocks_override is None:
-        per_block = shape.kv_bytes_per_block(cache.block_size, config.model.dtype,
-                                             config.parallel.tensor_parallel_size)
-        blocks = cache.kv_cache_memory_bytes // per_block
+    per_block = shape.kv_bytes_per_block(cache.block_size, config.model.dtype,
+                                         config.parallel.tensor_parallel_size)
+    if cache.num_gpu_blocks_override is not None:
+        kv_bytes, flag = cache.num_gpu_blocks_override * per_block, "--num-gpu-blocks-override"
+    else:
+        kv_bytes, flag = cache.kv_cache_memory_bytes, "--kv-cache-memory"
+        blocks = kv_bytes // per_block
         if blocks < MIN_KV_BLOCKS:
             need = MIN_KV_BLOCKS * per_block / (1 << 20)
             raise StartupError(
-                f"--kv-cache-memory {cache.kv_cache_memory_bytes / (1 << 30):.3g} GiB holds "
-                f"{blocks} KV block(s) of this model; at least {MIN_KV_BLOCKS} are needed "
-                f"({need:.1f} MiB; 1 GiB holds {(1 << 30) // per_block})")
+                f"--kv-cache-memory {kv_bytes / (1 << 30):.3g} GiB holds {blocks} KV "
+                f"block(s) of this model; at least {MIN_KV_BLOCKS} are needed ({need:.1f} "
+                f"MiB; 1 GiB holds {(1 << 30) // per_block})")
     available = available_memory_bytes()
-    if available is not None and cache.kv_cache_memory_bytes > available:
+    if available is not None and kv_bytes > available:
         raise StartupError(
-            f"--kv-cache-memory {cache.kv_cache_memory_bytes / (1 << 30):.3g} GiB is more "
-            f"than the {available / (1 << 30):.1f} GiB of memory this machine has free")
+            f"{flag}: a KV cache of {kv_bytes / (1 << 30):.3g} GiB is more than the "
+            f"{available / (1 << 30):.1f} GiB of memory this machine has free")
     return shape
 
 

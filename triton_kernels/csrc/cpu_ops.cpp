@@ -11,8 +11,11 @@
 // - silu_and_mul: out = silu(x[:, :d]) * x[:, d:] (SwiGLU, Shazeer 2020).
 // - linear (fp32): y = x @ w^T (+ bias); a skinny kernel up to 16 rows of x, MKL's
 //   GEMM above.
-// - LlamaDecodeLayers (fp32): a Llama-family decoder-layer stack for one decode
-//   step in one call, built from the kernels above.
+// - quant_dequantize / quant_linear / quant_embedding: GGML block formats read in
+//   place (quant_ops.h, quant_ops.cpp).
+// - LlamaDecodeLayers (fp32 activations): a Llama-family decoder-layer stack for one
+//   decode step in one call, built from the kernels above; each projection is dense
+//   fp32 or quantized (any mix of parts).
 //
 // The first three take fp32, bf16 or fp16 tensors and accumulate in fp32.
 // Shapes and dtypes are checked in Python (triton_kernels/cpu_ops.py) and again
@@ -22,6 +25,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
+
+#include "quant_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -448,36 +453,55 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
 // idea of decode megakernels (Hazy Research, "Look Ma, No Bubbles!", 2025). Each
 // layer: RMSNorm (+ residual add), QKV projection, rotate-half RoPE, K/V written to
 // their cache slots, paged decode attention, O projection, residual add + RMSNorm,
-// gate/up projection, SiLU * up, down projection. fp32; the Python forward is the
+// gate/up projection, SiLU * up, down projection. fp32 activations; each projection is
+// a dense fp32 matrix or GGML-quantized parts (quant_ops.h). The Python forward is the
 // oracle (tests/test_decode_layers.py).
 class LlamaDecodeLayers {
  public:
-  // weights: per layer [input_layernorm, post_attention_layernorm, qkv_proj, qkv_bias
-  // (empty when the model has none), o_proj, gate_up_proj, down_proj], then the final
-  // norm; fp32, contiguous. Shapes are checked here.
-  LlamaDecodeLayers(std::vector<at::Tensor> weights, int64_t num_heads, int64_t num_kv_heads,
-                    int64_t head_dim, double eps)
-      : weights_(std::move(weights)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
-        head_dim_(head_dim), eps_(eps) {
-    TORCH_CHECK(weights_.size() % 7 == 1 && weights_.size() > 1,
-                "LlamaDecodeLayers: 7 tensors per layer and the final norm expected");
+  // norms: per layer [input_layernorm, post_attention_layernorm, qkv_bias (empty when the
+  // model has none)], then the final norm; fp32, contiguous. projections: per layer
+  // [qkv_proj, o_proj, gate_up_proj, down_proj], each a list of parts (uint8 GGML rows,
+  // or one contiguous fp32 matrix) with their GGML types (quant_ops.h, F32 = 0).
+  // Shapes are checked here.
+  LlamaDecodeLayers(std::vector<at::Tensor> norms,
+                    std::vector<std::vector<at::Tensor>> projection_parts,
+                    std::vector<std::vector<int64_t>> projection_qtypes, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, double eps)
+      : norms_(std::move(norms)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim), eps_(eps), isa_(aioengine::resolve_isa(-1)) {
+    TORCH_CHECK(norms_.size() % 3 == 1 && norms_.size() > 1 &&
+                    projection_parts.size() == 4 * (norms_.size() / 3) &&
+                    projection_qtypes.size() == projection_parts.size(),
+                "LlamaDecodeLayers: per layer 3 norms/biases and 4 projections, then the "
+                "final norm expected");
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
                     head_dim > 0 && head_dim % 2 == 0, "LlamaDecodeLayers: bad head counts");
-    num_layers_ = static_cast<int64_t>(weights_.size() / 7);
-    hidden_ = weights_.back().numel();
-    intermediate_ = weights_[6].size(1);
-    const int64_t qkv = (num_heads + 2 * num_kv_heads) * head_dim;
-    for (const auto& w : weights_)
+    num_layers_ = static_cast<int64_t>(norms_.size() / 3);
+    hidden_ = norms_.back().numel();
+    for (const auto& w : norms_)
       TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && !w.is_cuda(),
-                  "LlamaDecodeLayers: contiguous fp32 CPU weights expected");
+                  "LlamaDecodeLayers: contiguous fp32 CPU norms and biases expected");
+    for (size_t i = 0; i < projection_parts.size(); ++i) {
+      // in_features of projection i % 4: hidden for qkv and gate_up, H * D for o_proj,
+      // and for down_proj the intermediate size, half of gate_up's rows
+      const int64_t cols = i % 4 == 1   ? num_heads * head_dim
+                           : i % 4 == 3 ? projections_[i - 1].rows / 2
+                                        : hidden_;
+      projections_.push_back(aioengine::make_quant_linear(projection_parts[i],
+                                                          projection_qtypes[i], cols));
+      if (projections_.back().dense())
+        TORCH_CHECK(projection_parts[i][0].is_contiguous(),
+                    "LlamaDecodeLayers: a dense projection must be contiguous");
+    }
+    intermediate_ = projections_[3].cols;
+    const int64_t qkv = (num_heads + 2 * num_kv_heads) * head_dim;
     for (int64_t i = 0; i < num_layers_; ++i) {
-      const at::Tensor* l = &weights_[7 * i];
-      TORCH_CHECK(l[0].numel() == hidden_ && l[1].numel() == hidden_ &&
-                      l[2].sizes() == at::IntArrayRef({qkv, hidden_}) &&
-                      (l[3].numel() == 0 || l[3].numel() == qkv) &&
-                      l[4].sizes() == at::IntArrayRef({hidden_, num_heads * head_dim}) &&
-                      l[5].sizes() == at::IntArrayRef({2 * intermediate_, hidden_}) &&
-                      l[6].sizes() == at::IntArrayRef({hidden_, intermediate_}),
+      const at::Tensor* n = &norms_[3 * i];
+      const aioengine::QuantLinear* p = &projections_[4 * i];
+      TORCH_CHECK(n[0].numel() == hidden_ && n[1].numel() == hidden_ &&
+                      (n[2].numel() == 0 || n[2].numel() == qkv) && p[0].rows == qkv &&
+                      p[1].rows == hidden_ && p[2].rows == 2 * intermediate_ &&
+                      p[3].rows == hidden_ && p[3].cols == intermediate_,
                   "LlamaDecodeLayers: layer ", i, " has unexpected weight shapes");
     }
   }
@@ -558,9 +582,10 @@ class LlamaDecodeLayers {
     a.scale = static_cast<float>(scale);
 
     for (int64_t i = 0; i < num_layers_; ++i) {
-      const at::Tensor* l = &weights_[7 * i];
-      fused_add_rms_norm_impl<float>(x, residual, l[0], eps_);
-      linear_into(qkv, x, l[2], l[3]);
+      const at::Tensor* n = &norms_[3 * i];
+      const aioengine::QuantLinear* p = &projections_[4 * i];
+      fused_add_rms_norm_impl<float>(x, residual, n[0], eps_);
+      project(qkv, x, p[0], n[2]);
       float* qkv_ptr = qkv.data_ptr<float>();
       rope_rotate_half(qkv_ptr, M, qkv_n, num_heads_ + num_kv_heads_, head_dim_,
                        cos.data_ptr<float>(), sin.data_ptr<float>(), head_dim_);
@@ -577,20 +602,34 @@ class LlamaDecodeLayers {
       a.k = key_cache;
       a.v = value_cache;
       decode_attention_run(a);
-      linear_into(o, attn, l[4], at::Tensor());
-      fused_add_rms_norm_impl<float>(o, residual, l[1], eps_);
-      linear_into(gate_up, o, l[5], at::Tensor());
+      project(o, attn, p[1], at::Tensor());
+      fused_add_rms_norm_impl<float>(o, residual, n[1], eps_);
+      project(gate_up, o, p[2], at::Tensor());
       silu_and_mul_impl<float>(act, gate_up);
-      linear_into(x, act, l[6], at::Tensor());
+      project(x, act, p[3], at::Tensor());
     }
-    fused_add_rms_norm_impl<float>(x, residual, weights_.back(), eps_);
+    fused_add_rms_norm_impl<float>(x, residual, norms_.back(), eps_);
     return x;
   }
 
  private:
-  std::vector<at::Tensor> weights_;
+  // y[M, N] = x[M, K] @ w^T (+ bias), y and x contiguous.
+  void project(at::Tensor& y, const at::Tensor& x, const aioengine::QuantLinear& w,
+               const at::Tensor& bias) const {
+    if (w.dense()) {
+      linear_into(y, x, w.tensors[0], bias);
+      return;
+    }
+    const float* b = bias.defined() && bias.numel() > 0 ? bias.data_ptr<float>() : nullptr;
+    aioengine::quant_linear_into(y.data_ptr<float>(), y.size(1), x.data_ptr<float>(), x.size(1),
+                                 x.size(0), w, b, isa_);
+  }
+
+  std::vector<at::Tensor> norms_;
+  std::vector<aioengine::QuantLinear> projections_;
   int64_t num_layers_, num_heads_, num_kv_heads_, head_dim_, hidden_, intermediate_;
   double eps_;
+  aioengine::Isa isa_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -602,7 +641,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, release());
   m.def("linear", &linear, pybind11::arg("x"), pybind11::arg("weight"),
         pybind11::arg("bias") = pybind11::none(), release());
+  m.def("quant_dequantize", &aioengine::quant_dequantize, pybind11::arg("data"),
+        pybind11::arg("qtype"), pybind11::arg("cols"), pybind11::arg("isa") = -1, release());
+  m.def("quant_linear", &aioengine::quant_linear, pybind11::arg("x"), pybind11::arg("parts"),
+        pybind11::arg("qtypes"), pybind11::arg("cols"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("isa") = -1, release());
+  m.def("quant_embedding", &aioengine::quant_embedding, pybind11::arg("ids"),
+        pybind11::arg("data"), pybind11::arg("qtype"), pybind11::arg("cols"),
+        pybind11::arg("isa") = -1, release());
+  m.def("quant_isa", [] { return static_cast<int>(aioengine::resolve_isa(-1)); },
+        "The instruction-set path the quantized kernels use: 0 scalar, 1 AVX2, 2 AVX-512.");
   pybind11::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers")
-      .def(pybind11::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<std::vector<at::Tensor>>,
+                          std::vector<std::vector<int64_t>>, int64_t, int64_t, int64_t, double>())
       .def("forward", &LlamaDecodeLayers::forward, release());
 }

@@ -1,0 +1,236 @@
+"""The quantized CPU kernels (``csrc/quant_ops.cpp``) against fp32 ``F.linear`` (MKL).
+
+For the default model's linear shapes (SmolLM2-135M: QKV 960x576 split as 576/192/192,
+O 576x576, gate/up 1536x576 each, down 576x1536, the tied LM head 49152x576), at
+``--rows`` rows of fp32 activations, each format's ``quant.linear`` and ``F.linear`` on
+the same shape in fp32, interleaved. Reports microseconds per call, GB/s of weight bytes
+read (the format's bytes for the kernel, 4 bytes a value for fp32) and GFLOP/s
+(2 * M * N * K per call), beside two ceilings measured in the same run: an fp32 GEMM
+(``torch.mm`` 2048^3, MKL) and the memory bandwidth of reading a 512 MB buffer.
+
+``--decode`` also times what a batch-1 (and ``--decode-batch``) decode token costs the
+kernels on the default model: the fused 30-layer stack (``cpu_ops.LlamaDecodeLayers``,
+Q4_1 projections, 128 tokens of context each) plus the Q8_0 LM head.
+
+Usage: python bench/quant_kernels.py [--formats Q4_1,Q8_0] [--rows 1,8,32,64]
+       [--decode] [--decode-batch 1,32] [--threads N] [--clock wall|cpu] [--min-time 0.3]
+
+Times are the best of three rounds, wall-clock by default. On a machine other work
+shares, an OpenMP region waits whenever one of its threads is descheduled, and a
+descheduled thread's wall time counts too; ``--threads 1 --clock cpu`` gives the steady
+per-core cost there (the thread's own CPU time).
+Prints the CPU model and flags, then tables; writes bench/results/quant_kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from triton_kernels import cpu_ops, quant  # noqa: E402
+from triton_kernels.quant import QuantizedWeight  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+QT = GGMLQuantizationType
+#: (name, N, K) of the default model's linear layers
+SHAPES = [("o_proj / q", 576, 576), ("k or v", 192, 576), ("gate or up", 1536, 576),
+          ("down", 576, 1536), ("lm_head", 49152, 576)]
+SCALE_OFFSETS = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2],
+                 QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
+
+
+def cpu_description() -> tuple[str, list[str]]:
+    """The CPU's model name and its SIMD flags of interest (from /proc/cpuinfo)."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        if line.startswith("model name") and ":" in line:
+            model = line.split(":", 1)[1].strip()
+        if line.startswith(("flags", "Features")) and not flags:
+            flags = sorted(f for f in line.split(":", 1)[1].split()
+                           if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "asimd", "sve")))
+    return model, flags
+
+
+def random_weight(qtype: QT, rows: int, cols: int, seed: int) -> QuantizedWeight:
+    """Random blocks with small finite fp16 scales (fast to make at the LM head's size)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (QT.F16, QT.BF16):
+        dense = torch.from_numpy(rng.standard_normal((rows, cols), dtype=np.float32) * 0.02)
+        return QuantizedWeight.quantize(dense, qtype)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    for off in SCALE_OFFSETS[qtype]:
+        d = (rng.standard_normal((rows, cols // block_size, 1)) * 1e-3).astype(np.float16)
+        blocks[..., off:off + 2] = d.view(np.uint8)
+    return QuantizedWeight(torch.from_numpy(blocks.reshape(rows, -1)), qtype, (rows, cols))
+
+
+#: wall-clock by default; ``--clock cpu`` (one thread) counts only this thread's CPU time
+CLOCK = time.perf_counter
+
+
+def time_call(fn, min_time: float) -> float:
+    """Seconds per call: the best of 3 rounds, each at least ``min_time / 3`` long."""
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        n, t0 = 0, CLOCK()
+        while True:
+            fn()
+            n += 1
+            elapsed = CLOCK() - t0
+            if elapsed >= min_time / 3:
+                break
+        best = min(best, elapsed / n)
+    return best
+
+
+def ceilings(min_time: float) -> dict:
+    """fp32 GEMM GFLOP/s (MKL, 2048^3) and read bandwidth GB/s (sum of 512 MB)."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    out = torch.empty(2048, 2048)
+    gemm = time_call(lambda: torch.mm(a, b, out=out), min_time)
+    buf = torch.ones(128 * 1024 * 1024)  # 512 MB, far past the caches
+    read = time_call(lambda: buf.sum(), min_time)
+    return {"fp32_gemm_gflops": 2 * 2048 ** 3 / gemm / 1e9,
+            "read_gbs": buf.numel() * 4 / read / 1e9}
+
+
+def bench_linears(formats: list[QT], rows: list[int], min_time: float) -> list[dict]:
+    results = []
+    for name, n, k in SHAPES:
+        dense = torch.randn(n, k) * 0.02
+        weights = {fmt: random_weight(fmt, n, k, seed=n + k) for fmt in formats}
+        for m in rows:
+            x = torch.randn(m, k)
+            flops = 2 * m * n * k
+            fp32_s = time_call(lambda x=x, dense=dense: F.linear(x, dense), min_time)
+            row = {"shape": name, "N": n, "K": k, "M": m, "fp32_us": fp32_s * 1e6,
+                   "fp32_gbs": n * k * 4 / fp32_s / 1e9, "fp32_gflops": flops / fp32_s / 1e9}
+            for fmt, w in weights.items():
+                s = time_call(lambda x=x, w=w: quant.linear(x, w), min_time)
+                row[f"{fmt.name}_us"] = s * 1e6
+                row[f"{fmt.name}_gbs"] = w.nbytes / s / 1e9
+                row[f"{fmt.name}_gflops"] = flops / s / 1e9
+                row[f"{fmt.name}_speedup"] = fp32_s / s
+            results.append(row)
+            cells = "  ".join(f"{fmt.name} {row[f'{fmt.name}_us']:8.1f} us "
+                              f"{row[f'{fmt.name}_gbs']:5.1f} GB/s "
+                              f"{row[f'{fmt.name}_gflops']:6.1f} GF/s "
+                              f"x{row[f'{fmt.name}_speedup']:4.2f}" for fmt in formats)
+            print(f"{name:>11} {n:6d}x{k:<5d} M={m:<3d} fp32 {row['fp32_us']:8.1f} us "
+                  f"{row['fp32_gbs']:5.1f} GB/s {row['fp32_gflops']:6.1f} GF/s | {cells}",
+                  flush=True)
+    return results
+
+
+def bench_decode(batches: list[int], min_time: float) -> list[dict]:
+    """The default model's 30 Q4_1 layers in one fused call, plus the Q8_0 LM head."""
+    hidden, inter, heads, kv_heads, head_dim, layers = 576, 1536, 9, 3, 64, 30
+    qkv_rows = (heads + 2 * kv_heads) * head_dim
+    ones = torch.ones(hidden)
+    spec = [(ones, ones, random_weight(QT.Q4_1, qkv_rows, hidden, 10 * i),
+             None, random_weight(QT.Q4_1, hidden, heads * head_dim, 10 * i + 1),
+             random_weight(QT.Q4_1, 2 * inter, hidden, 10 * i + 2),
+             random_weight(QT.Q4_1, hidden, inter, 10 * i + 3)) for i in range(layers)]
+    fused = cpu_ops.LlamaDecodeLayers(spec, ones, heads, kv_heads, head_dim, 1e-5)
+    head = random_weight(QT.Q8_0, 49152, hidden, 7)
+    layer_bytes = sum(w.nbytes for layer in spec for w in layer[2:] if w is not None)
+    results = []
+    for batch in batches:
+        layers_s = _time_layers(fused, batch, layers, kv_heads, head_dim, hidden, min_time)
+        h = torch.randn(batch, hidden)
+        head_s = time_call(lambda h=h: quant.linear(h, head), min_time)
+        row = {"batch": batch, "layers_ms": layers_s * 1e3, "lm_head_ms": head_s * 1e3,
+               "token_ms": (layers_s + head_s) * 1e3, "tok_s": batch / (layers_s + head_s),
+               "layers_gbs": layer_bytes / layers_s / 1e9,
+               "lm_head_gbs": head.nbytes / head_s / 1e9}
+        results.append(row)
+        print(f"decode batch {batch:3d}: 30 Q4_1 layers {row['layers_ms']:6.2f} ms "
+              f"({row['layers_gbs']:4.1f} GB/s) + Q8_0 head {row['lm_head_ms']:6.2f} ms "
+              f"({row['lm_head_gbs']:4.1f} GB/s) = {row['token_ms']:6.2f} ms a step, "
+              f"{row['tok_s']:7.1f} tok/s", flush=True)
+    return results
+
+
+def _time_layers(fused, batch: int, layers: int, kv_heads: int, head_dim: int, hidden: int,
+                 min_time: float) -> float:
+    """Seconds for one fused decode step of ``batch`` sequences, 128 tokens of context."""
+    context, block_size = 128, 16
+    blocks_per_seq = context // block_size
+    kv_cache = torch.randn(layers, 2, batch * blocks_per_seq, block_size, kv_heads,
+                           head_dim) * 0.1
+    block_tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    slots = (block_tables[:, -1].long() * block_size + block_size - 1).contiguous()
+    cos, sin = torch.ones(batch, head_dim), torch.zeros(batch, head_dim)
+    residual = torch.randn(batch, hidden)
+    return time_call(lambda: fused._impl.forward(residual.clone(), cos, sin, kv_cache, slots,
+                                                 block_tables, seq_lens, head_dim ** -0.5),
+                     min_time)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", default="Q4_1,Q8_0")
+    parser.add_argument("--rows", default="1,8,32,64")
+    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--decode", action="store_true")
+    parser.add_argument("--decode-batch", default="1,32")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this thread's CPU time (needs --threads 1), steady on a "
+                             "shared machine")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if torch.get_num_threads() != 1:
+            sys.exit("--clock cpu counts one thread's time: pass --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
+    if cpu_ops.load() is None:
+        sys.exit("the C++ CPU kernels are unavailable: nothing to measure")
+    model, flags = cpu_description()
+    threads = torch.get_num_threads()
+    print(f"CPU: {model}; {os.cpu_count()} logical CPUs, torch threads {threads}, "
+          f"{args.clock} clock, load average {os.getloadavg()[0]:.1f}")
+    print(f"flags: {' '.join(flags)}")
+    print(f"quantized kernels' path: {['scalar', 'AVX2', 'AVX-512'][cpu_ops.load().quant_isa()]}")
+    ceiling = ceilings(args.min_time)
+    print(f"ceilings: fp32 GEMM (MKL 2048^3) {ceiling['fp32_gemm_gflops']:.1f} GFLOP/s, "
+          f"memory read {ceiling['read_gbs']:.1f} GB/s")
+    formats = [QT[name.strip()] for name in args.formats.split(",")]
+    rows = [int(r) for r in args.rows.split(",")]
+    report = {"cpu": model, "flags": flags, "threads": threads, "clock": args.clock,
+              "loadavg": os.getloadavg()[0], "ceilings": ceiling,
+              "linears": bench_linears(formats, rows, args.min_time)}
+    if args.decode:
+        report["decode"] = bench_decode([int(b) for b in args.decode_batch.split(",")],
+                                        args.min_time)
+    path = Path(args.out) if args.out else RESULTS_DIR / "quant_kernels.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

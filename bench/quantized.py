@@ -1,0 +1,700 @@
+"""aioengine against llama.cpp on the same GGUF file, same threads, one run (issue 15).
+
+Both servers are started here, one after the other, on free loopback ports
+and get the same streaming load: ``--concurrency`` (1,8,32) clients, each
+sending ``--requests-per-stream`` requests back to back, ``--prompt-len``
+(100) random token ids, ``--max-tokens`` (128) greedy tokens with
+``ignore_eos``, over SSE on ``POST /v1/completions``. The load generator and
+the metrics are bench/serving.py's (``run_load``, ``sse_request``): TTFT,
+ITL, TPOT and output tokens/s as the client sees them.
+
+Measured, in this order:
+
+1. Batch-1 decode, ours: the offline ``LLM`` (worker subprocess), tokens/s
+   after the first token, as bench/throughput.py measures it. This also
+   builds the C++ kernels if they are not built yet, so the server start
+   below measures a start "after the kernels are built".
+2. ``aioengine serve``, then ``llama-server -t T -tb T -np N -c N x (prompt +
+   output + 32)`` (``N``: the highest concurrency), each started alone: command
+   to ``GET /health`` 200, polled every 50 ms.
+3. The streaming load with both up, interleaved: at each concurrency ours,
+   then llama-server, so each ratio is measured back to back (this machine's
+   load drifts; an idle server sleeps).
+4. RSS (and PSS) of our worker subprocess, of our server process and of
+   llama-server (psutil); then a killed worker's time to serve again
+   (SIGKILL, then a 1-token request every 50 ms until one succeeds).
+5. Batch-1 decode, llama.cpp: ``llama-bench -p 0 -n MAX_TOKENS -d PROMPT_LEN
+   -t T`` (pure decode after a prompt of our length; also at depth 0), or,
+   without llama-bench, llama-server's 1-stream TPOT.
+
+llama.cpp runs with the ``GOMP_SPINCOUNT`` our worker sets
+(``--llama-gomp-spincount``): with libgomp's default spin, either engine
+slows several-fold whenever another process wants the cores.
+
+The CPU model and its SIMD flags are printed first and stored with the
+figures. Ratios are ours / llama.cpp for throughput and llama.cpp / ours for
+TTFT (above 1: ours is better in both). Speed is never asserted; the
+targets are printed beside the figures.
+
+llama-server is found from ``--llama-server``, ``$LLAMA_SERVER`` or ``PATH``;
+llama-bench from ``--llama-bench``, ``$LLAMA_BENCH``, llama-server's folder or
+``PATH``. Without llama-server the script says so and measures ours only.
+Building them: bench/README.md ("aioengine against llama.cpp").
+
+Usage:
+    python bench/quantized.py --llama-server /path/to/llama-server      # ~10 min
+    python bench/quantized.py --quick                                   # ~3 min
+Writes bench/results/quantized.json and the plot
+bench/results/quantized_vs_llama_cpp.png (``--plot-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Self
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    BenchRequest,
+    BenchServer,
+    LoadTracker,
+    fmt,
+    synthetic_workload,
+    workload_summary,
+    write_results,
+)
+
+TARGETS = {
+    "batch1_decode_ratio_min": 1.2,
+    "streams_8_32_output_throughput_ratio_min": 1.5,
+    "streams_8_32_ttft_p50_no_worse": True,
+    "serve_ready_s_max": 3.0,
+    "worker_restart_s_max": 3.0,
+    "worker_rss_max": "1/3 of the fp32 worker's",
+}
+
+# The instruction-set flags that decide which kernels a CPU can run.
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+              "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+HEALTH_POLL_S = 0.05
+RESTART_POLL_S = 0.05
+
+
+# -- the machine -----------------------------------------------------------------------------
+
+
+def cpu_info() -> dict:
+    """The CPU model (``/proc/cpuinfo``), which of ``SIMD_FLAGS`` it has, and
+    the core count; on a machine without /proc/cpuinfo, ``platform``'s guess."""
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    return {"model": model, "simd_flags": [f for f in SIMD_FLAGS if f in flags],
+            "cpus": os.cpu_count(), "machine": platform.machine()}
+
+
+def find_binary(explicit: str | None, env_var: str, name: str,
+                beside: Path | None = None) -> Path | None:
+    """``explicit``, else ``$env_var``, else ``beside/name``, else ``name`` on
+    PATH; ``None`` when none exists (``explicit == "none"``: not wanted)."""
+    if explicit == "none":
+        return None
+    for candidate in (explicit, os.environ.get(env_var),
+                      str(beside / name) if beside else None, shutil.which(name)):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return Path(candidate).resolve()
+    if explicit:
+        raise SystemExit(f"{name} not found or not executable: {explicit}")
+    return None
+
+
+def binary_version(path: Path) -> str:
+    """The first line llama.cpp's ``--version`` prints ("version: N (commit)")."""
+    try:
+        proc = subprocess.run([str(path), "--version"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("version")]
+    return lines[0] if lines else "unknown"
+
+
+# -- servers -----------------------------------------------------------------------------------
+
+
+class TimedServer(BenchServer):
+    """A server subprocess on a free loopback port whose start is timed: from
+    ``Popen`` to the first ``GET /health`` 200, polled every 50 ms
+    (``ready_s``). Stopped like ``BenchServer`` (SIGTERM, then SIGKILL)."""
+
+    name = "server"
+    env_overrides: dict[str, str] = {}  # noqa: RUF012 - replaced per instance, never mutated
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        import httpx
+
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env.update(self.env_overrides)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                            env=env, cwd=REPO_ROOT)
+        deadline = t0 + self.start_timeout_s
+        with httpx.Client(timeout=2) as client:
+            while time.perf_counter() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n"
+                                       f"{self.log_tail()}")
+                try:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        self.ready_s = time.perf_counter() - t0
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(HEALTH_POLL_S)
+        self.__exit__()
+        raise RuntimeError(f"{self.name} not healthy after {self.start_timeout_s} s:\n"
+                           f"{self.log_tail()}")
+
+
+class AioengineServer(TimedServer):
+    """``python -m aioengine.entrypoints.cli serve --host 127.0.0.1 --port P ARGS``."""
+
+    name = "aioengine serve"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "aioengine.entrypoints.cli", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port), *self.args]
+
+
+class LlamaServer(TimedServer):
+    """``llama-server --host 127.0.0.1 --port P ARGS``."""
+
+    name = "llama-server"
+
+    def __init__(self, binary: Path, args: Sequence[str], log_path: str | Path,
+                 start_timeout_s: float = 300.0, env_overrides: dict[str, str] | None = None
+                 ) -> None:
+        super().__init__(args, log_path, start_timeout_s)
+        self.binary = binary
+        self.env_overrides = dict(env_overrides or {})
+
+    def command(self) -> list[str]:
+        return [str(self.binary), "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+
+
+def llama_env(args: argparse.Namespace) -> dict[str, str]:
+    """llama-server's OpenMP spin setting. ``ours`` (the default): the
+    ``GOMP_SPINCOUNT`` our worker runs with, so both engines wait alike on a
+    busy machine (libgomp's default spin, 300,000 iterations, costs either
+    engine several-fold once another process wants the cores; bench/README.md,
+    throughput). ``unset``: libgomp's default. A number: that count. A
+    ``GOMP_SPINCOUNT`` already in the environment reaches both and wins."""
+    from aioengine.worker.worker import DEFAULT_GOMP_SPINCOUNT
+
+    if "GOMP_SPINCOUNT" in os.environ or args.llama_gomp_spincount == "unset":
+        return {}
+    if args.llama_gomp_spincount == "ours":
+        return {"GOMP_SPINCOUNT": DEFAULT_GOMP_SPINCOUNT}
+    return {"GOMP_SPINCOUNT": str(int(args.llama_gomp_spincount))}
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The server's spawned model workers (multiprocessing's ``spawn_main``
+    children, its resource tracker aside)."""
+    import psutil
+
+    pids = []
+    for child in psutil.Process(server_pid).children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            pids.append(child.pid)
+    return pids
+
+
+def memory_mib(pid: int) -> dict:
+    """RSS and PSS of ``pid`` in MiB (PSS splits shared pages, such as a
+    memory-mapped model file, among the processes that map them)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    out = {"rss_mib": round(proc.memory_info().rss / 2**20, 1)}
+    try:
+        out["pss_mib"] = round(proc.memory_full_info().pss / 2**20, 1)
+    except (psutil.Error, AttributeError):
+        pass
+    return out
+
+
+def time_to_serve_again(base_url: str, worker_pid: int, prompt: list[int],
+                        timeout_s: float) -> dict:
+    """SIGKILL ``worker_pid``, then send a 1-token completion every 50 ms until
+    one returns 200, at most ``timeout_s``. Returns the seconds from the kill
+    to that answer (``nan`` if none came), and how many requests failed first."""
+    import httpx
+
+    os.kill(worker_pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    failed = 0
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    with httpx.Client(timeout=5) as client:
+        while time.perf_counter() - t0 < timeout_s:
+            try:
+                if client.post(f"{base_url}/v1/completions", json=body).status_code == 200:
+                    return {"serving_again_s": round(time.perf_counter() - t0, 3),
+                            "failed_requests": failed}
+            except httpx.TransportError:
+                pass
+            failed += 1
+            time.sleep(RESTART_POLL_S)
+    return {"serving_again_s": float("nan"), "failed_requests": failed}
+
+
+# -- the load --------------------------------------------------------------------------------
+
+
+async def streaming_sweep(servers: Sequence[TimedServer], concurrencies: Sequence[int],
+                          args: argparse.Namespace, vocab_size: int, load: LoadTracker
+                          ) -> dict[str, list[dict]]:
+    """At each concurrency ``c``, each server in turn (so a ratio is measured
+    back to back and the machine's load drifts less between its two sides):
+    one warm-up request, then ``c`` clients sending ``requests_per_stream``
+    requests each (bench/serving.py's ``run_load``, SSE, ``/v1/completions``),
+    bounded by ``--time-limit``. Both servers get the same token ids (seeded
+    by ``c``). Returns each server's runs by its ``name``."""
+    import httpx
+
+    from bench.serving import Endpoint, make_sender, run_load
+
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    runs: dict[str, list[dict]] = {server.name: [] for server in servers}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.time_limit + 60),
+                                 limits=limits) as client:
+        for c in concurrencies:
+            requests = synthetic_workload(c * args.requests_per_stream,
+                                          (args.prompt_len, args.prompt_len),
+                                          (args.max_tokens, args.max_tokens), vocab_size,
+                                          args.seed + c)
+            for server in servers:
+                send = make_sender("sse", Endpoint(server.base_url), False, client)
+                warm = await send(BenchRequest(requests[0].prompt_token_ids, 2))
+                if not warm.ok:
+                    raise RuntimeError(f"{server.name}: warm-up request failed: {warm.error}")
+                res = await run_load(send, requests, max_concurrency=c,
+                                     time_limit_s=args.time_limit, seed=args.seed,
+                                     desc=f"{server.name} c={c}", progress=not args.no_progress)
+                res["concurrency"] = c
+                res["workload"] = workload_summary(requests)
+                res["loadavg_1m"] = load.sample()[0]
+                runs[server.name].append(res)
+                streams = f"{c} stream" + ("s" if c > 1 else "")
+                print(f"  {server.name:<16} {streams:>11}: {res['completed']:>3}/"
+                      f"{res['num_requests']} ok, {res['output_throughput']:7.1f} output tok/s, "
+                      f"TTFT p50 {res['ttft']['p50_ms']:7.0f} ms, ITL p50 "
+                      f"{res['itl']['p50_ms']:6.1f} ms, load {res['loadavg_1m']:.2f}", flush=True)
+    return runs
+
+
+def started(server: TimedServer) -> dict:
+    """What a started server reports: its command, log, start time and models."""
+    import httpx
+
+    out: dict = {"command": server.command(), "log": str(server.log_path),
+                 "ready_s": round(server.ready_s, 3)}
+    print(f"{server.name}: /health 200 after {server.ready_s:.2f} s", flush=True)
+    try:
+        out["models"] = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        pass
+    return out
+
+
+def measure_servers(ours: AioengineServer, theirs: LlamaServer | None,
+                    args: argparse.Namespace, concurrencies: Sequence[int], vocab_size: int,
+                    load: LoadTracker, restart_prompt: list[int]) -> tuple[dict, dict | None]:
+    """Start each server alone (timed), run the interleaved sweep with both up
+    (an idle server sleeps: our worker on its doorbell, llama-server's slots on
+    a condition variable), then memory, then a killed worker's time to serve
+    our server again. Returns ours and theirs (``None`` without llama-server)."""
+    import uvloop
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ours)
+        out_ours = started(ours)
+        servers: list[TimedServer] = [ours]
+        out_theirs = None
+        if theirs is not None:
+            stack.enter_context(theirs)
+            out_theirs = started(theirs)
+            out_theirs["env"] = theirs.env_overrides
+            servers.append(theirs)
+        load.sample()
+        runs = uvloop.run(streaming_sweep(servers, concurrencies, args, vocab_size, load))
+        out_ours["streams"] = runs[ours.name]
+        out_ours["server_memory"] = memory_mib(ours.process.pid)
+        if out_theirs is not None:
+            out_theirs["streams"] = runs[theirs.name]
+            out_theirs["server_memory"] = memory_mib(theirs.process.pid)
+        workers = worker_pids(ours.process.pid)
+        out_ours["worker_pids"] = workers
+        if workers:
+            out_ours["worker_memory"] = memory_mib(workers[0])
+            if not args.skip_restart:
+                out_ours["restart"] = time_to_serve_again(ours.base_url, workers[0],
+                                                          restart_prompt, args.restart_timeout)
+                print(f"{ours.name}: killed worker serving again after "
+                      f"{out_ours['restart']['serving_again_s']} s", flush=True)
+    return out_ours, out_theirs
+
+
+# -- batch-1 decode --------------------------------------------------------------------------
+
+
+def ours_batch1(args: argparse.Namespace, prompt: list[int]) -> dict:
+    """Batch-1 decode through the offline ``LLM`` (bench/throughput.py's
+    ``engine_decode_batch1``: tokens/s after the first token), after a
+    warm-up request."""
+    from aioengine import LLM
+    from bench.throughput import add_requests, drive_steps, engine_decode_batch1
+
+    llm = LLM(args.model, num_threads=args.threads)
+    try:
+        add_requests(llm, [BenchRequest(prompt, 4)], "warmup")
+        drive_steps(llm)
+        return engine_decode_batch1(llm, prompt, args.batch1_tokens)
+    finally:
+        llm.shutdown()
+
+
+def llama_bench_decode(binary: Path, args: argparse.Namespace) -> dict:
+    """``llama-bench -p 0 -n N -d D -t T -r R -o json`` at depth 0 and at depth
+    ``--prompt-len``: mean decode tokens/s over ``R`` repetitions."""
+    out: dict = {"binary": str(binary)}
+    for depth in (0, args.prompt_len):
+        cmd = [str(binary), "-m", args.model, "-p", "0", "-n", str(args.batch1_tokens),
+               "-d", str(depth), "-t", str(args.threads), "-r", str(args.llama_bench_reps),
+               "-o", "json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit,
+                              env={**os.environ, **llama_env(args)})
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-bench failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        (row,) = json.loads(proc.stdout)
+        out[f"depth_{depth}"] = {"command": cmd, "decode_tokens_per_s": row["avg_ts"],
+                                 "stddev_tokens_per_s": row["stddev_ts"],
+                                 "build_commit": row.get("build_commit"),
+                                 "cpu_info": row.get("cpu_info")}
+    out["decode_tokens_per_s"] = out[f"depth_{args.prompt_len}"]["decode_tokens_per_s"]
+    out["source"] = f"llama-bench, depth {args.prompt_len}"
+    return out
+
+
+# -- ratios, table, plot --------------------------------------------------------------------
+
+
+def ratios(report: dict) -> dict:
+    """Ours / llama.cpp output tok/s and llama.cpp / ours TTFT p50, per
+    concurrency (above 1: ours is better), and the batch-1 decode ratio."""
+    ours, theirs = report.get("aioengine"), report.get("llama_cpp")
+    out: dict = {}
+    if not (ours and theirs):
+        return out
+    by_c = {r["concurrency"]: r for r in theirs["server"]["streams"]}
+    for r in ours["server"]["streams"]:
+        t = by_c.get(r["concurrency"])
+        if t and t["output_throughput"] and r["ttft"]["p50_ms"]:
+            out[f"streams_{r['concurrency']}"] = {
+                "output_throughput": r["output_throughput"] / t["output_throughput"],
+                "ttft_p50": t["ttft"]["p50_ms"] / r["ttft"]["p50_ms"]}
+    b1_ours = ours.get("batch1", {}).get("decode_tokens_per_s")
+    b1_theirs = theirs.get("batch1", {}).get("decode_tokens_per_s")
+    if b1_ours and b1_theirs:
+        out["batch1_decode"] = b1_ours / b1_theirs
+    if ours["server"].get("ready_s") and theirs["server"].get("ready_s"):
+        out["ready_s"] = ours["server"]["ready_s"] / theirs["server"]["ready_s"]
+    return out
+
+
+def table(report: dict) -> str:
+    """The issue's table in Markdown: one row per figure, ours | llama.cpp | ratio."""
+    ours, theirs, rat = report.get("aioengine", {}), report.get("llama_cpp"), report["ratios"]
+    llama_head = f"llama.cpp `llama-server -t {report['args']['threads']} -np {report['n_slots']}`"
+    rows = [f"| | aioengine serve | {llama_head if theirs else 'llama.cpp (not run)'} "
+            f"| ours / llama.cpp |", "|---|---|---|---|"]
+
+    def cell(side: dict | None, fn) -> str:
+        try:
+            return fn(side) if side else "n/a"
+        except (KeyError, TypeError, IndexError):
+            return "n/a"
+
+    def ready(s: dict) -> str:
+        return f"{s['server']['ready_s']:.2f} s"
+
+    rows.append(f"| command to /health 200 | {cell(ours, ready)} | {cell(theirs, ready)} | |")
+
+    def stream(side: dict | None, c: int) -> str:
+        def f(s: dict) -> str:
+            (r,) = [x for x in s["server"]["streams"] if x["concurrency"] == c]
+            return (f"{r['output_throughput']:.1f} (TTFT {r['ttft']['p50_ms']:.0f} ms, "
+                    f"ITL {r['itl']['p50_ms']:.1f} ms)")
+        return cell(side, f)
+
+    for r in ours.get("server", {}).get("streams", []):
+        c = r["concurrency"]
+        ratio = rat.get(f"streams_{c}")
+        ratio_s = (f"{ratio['output_throughput']:.2f}x tok/s, TTFT {ratio['ttft_p50']:.2f}x"
+                   if ratio else "")
+        name = "1 stream" if c == 1 else f"{c} streams"
+        rows.append(f"| {name}: output tok/s (TTFT p50, ITL p50) | {stream(ours, c)} | "
+                    f"{stream(theirs, c)} | {ratio_s} |")
+    b1 = rat.get("batch1_decode")
+    def batch1(s: dict) -> str:
+        b = s["batch1"]
+        return f"{b['decode_tokens_per_s']:.1f} ({b.get('source', 'LLM')})"
+
+    rows.append(f"| batch-1 decode tok/s | {cell(ours, batch1)} | {cell(theirs, batch1)} | "
+                f"{f'{b1:.2f}x' if b1 else ''} |")
+    rows.append(f"| RSS, MiB | worker "
+                f"{cell(ours, lambda s: fmt(s['server']['worker_memory']['rss_mib'], 0))}, server "
+                f"{cell(ours, lambda s: fmt(s['server']['server_memory']['rss_mib'], 0))} | "
+                f"{cell(theirs, lambda s: fmt(s['server']['server_memory']['rss_mib'], 0))} | |")
+    restart = cell(ours, lambda s: fmt(s["server"]["restart"]["serving_again_s"], 2) + " s")
+    rows.append(f"| killed worker serving again | {restart} | | |")
+    return "\n".join(rows)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Output tok/s (left) and TTFT p50 (right) against concurrency, both
+    servers; the left panel is annotated with ours / llama.cpp."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, side in (("aioengine serve", report.get("aioengine")),
+                       ("llama-server", report.get("llama_cpp"))):
+        if not side:
+            continue
+        runs = side["server"]["streams"]
+        cs = [r["concurrency"] for r in runs]
+        ax1.plot(cs, [r["output_throughput"] for r in runs], marker="o", label=name)
+        ax2.plot(cs, [r["ttft"]["p50_ms"] for r in runs], marker="o", label=name)
+    for r in report.get("aioengine", {}).get("server", {}).get("streams", []):
+        ratio = report["ratios"].get(f"streams_{r['concurrency']}")
+        if ratio:
+            ax1.annotate(f"{ratio['output_throughput']:.2f}x",
+                         (r["concurrency"], r["output_throughput"]),
+                         textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+    ticks = [r["concurrency"] for r in report.get("aioengine", {}).get("server", {})
+             .get("streams", [])]
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        if ticks:
+            ax.set_xticks(ticks, [str(c) for c in ticks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xlabel("concurrent streams")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    ax1.set_ylim(bottom=0)
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("throughput (labels: ours / llama.cpp)")
+    ax2.set_ylabel("ms")
+    ax2.set_yscale("log")
+    ax2.set_title("TTFT p50")
+    a, cpu, load = report["args"], report["cpu"], report["load"]
+    fig.suptitle(f"{Path(a['model']).name}, {a['threads']} threads, prompts {a['prompt_len']} "
+                 f"tokens, {a['max_tokens']} output tokens; load avg "
+                 f"{load['loadavg_1m_min']:.1f}-{load['loadavg_1m_max']:.1f}\n{cpu['model']}: "
+                 f"{' '.join(cpu['simd_flags'])}", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_targets(report: dict) -> None:
+    rat, ours = report["ratios"], report.get("aioengine", {}).get("server", {})
+    lines = []
+    if "batch1_decode" in rat:
+        lines.append(f"batch-1 decode ours/llama.cpp {rat['batch1_decode']:.2f}x (target >= 1.2x)")
+    for c in (8, 32):
+        r = rat.get(f"streams_{c}")
+        if r:
+            lines.append(f"{c} streams: output tok/s {r['output_throughput']:.2f}x (target >= "
+                         f"1.5x), TTFT p50 llama.cpp/ours {r['ttft_p50']:.2f}x (target >= 1)")
+    if "ready_s" in ours:
+        lines.append(f"aioengine serve ready in {ours['ready_s']:.2f} s (target <= 3 s)")
+    if "restart" in ours:
+        lines.append(f"killed worker serving again in {ours['restart']['serving_again_s']} s "
+                     f"(target <= 3 s)")
+    if "worker_memory" in ours:
+        lines.append(f"worker RSS {ours['worker_memory']['rss_mib']:.0f} MiB (target: 1/3 of the "
+                     f"fp32 worker's)")
+    print("\n".join(lines))
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    p.add_argument("--llama-server", default=None,
+                   help="llama-server binary (default: $LLAMA_SERVER, then PATH; 'none': skip)")
+    p.add_argument("--llama-bench", default=None,
+                   help="llama-bench binary (default: $LLAMA_BENCH, llama-server's folder, PATH; "
+                        "'none': time batch 1 with llama-server's single stream)")
+    p.add_argument("--threads", type=int, default=2, help="threads of both engines")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
+    p.add_argument("--prompt-len", type=int, default=100, help="prompt tokens (random ids)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--requests-per-stream", type=int, default=2,
+                   help="requests each client sends back to back")
+    p.add_argument("--batch1-tokens", type=int, default=None,
+                   help="tokens of the batch-1 decode runs (default: --max-tokens)")
+    p.add_argument("--llama-bench-reps", type=int, default=3)
+    p.add_argument("--time-limit", type=float, default=240.0,
+                   help="seconds per load level; then nothing new starts and the rest is "
+                        "cancelled")
+    p.add_argument("--skip-restart", action="store_true",
+                   help="do not kill our worker to time its restart")
+    p.add_argument("--restart-timeout", type=float, default=120.0)
+    p.add_argument("--skip-batch1", action="store_true")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra 'aioengine serve' flag (repeatable)")
+    p.add_argument("--llama-arg", action="append", default=[],
+                   help="extra llama-server flag (repeatable)")
+    p.add_argument("--llama-gomp-spincount", default="ours",
+                   help="llama-server's GOMP_SPINCOUNT: 'ours' (our worker's), 'unset', or N")
+    p.add_argument("--quick", action="store_true",
+                   help="32 output tokens, one request per stream, 1 llama-bench repetition")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot-dir", default=str(RESULTS_DIR))
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.max_tokens, args.requests_per_stream, args.llama_bench_reps = 32, 1, 1
+    args.batch1_tokens = args.batch1_tokens or args.max_tokens
+    if args.model is None:
+        from aioengine.config import default_model_path
+
+        args.model = default_model_path()
+    args.model = str(Path(args.model).resolve())
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from aioengine.models.loader import load_tokenizer
+
+    args = parse_args(argv)
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']}, {cpu['cpus']} CPUs; flags: {' '.join(cpu['simd_flags'])}")
+    print(f"model: {args.model}; {args.threads} threads on both sides", flush=True)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    n_slots = max(concurrencies)
+    llama_server = find_binary(args.llama_server, "LLAMA_SERVER", "llama-server")
+    llama_bench = None
+    if llama_server is None:
+        print("llama-server not found (--llama-server, $LLAMA_SERVER, PATH): measuring "
+              "aioengine only")
+    else:
+        llama_bench = find_binary(args.llama_bench, "LLAMA_BENCH", "llama-bench",
+                                  beside=llama_server.parent)
+        print(f"llama-server: {llama_server} ({binary_version(llama_server)}); llama-bench: "
+              f"{llama_bench or 'not found, batch 1 from the 1-stream run'}", flush=True)
+
+    load = LoadTracker()
+    load.sample()
+    vocab_size = len(load_tokenizer(args.model))
+    batch1_prompt = synthetic_workload(1, (args.prompt_len, args.prompt_len), (1, 1),
+                                       vocab_size, args.seed + 1000)[0].prompt_token_ids
+    report: dict = {"benchmark": "quantized", "cpu": cpu, "targets": TARGETS, "n_slots": n_slots,
+                    "args": vars(args), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    logs = Path(tempfile.mkdtemp(prefix="aioengine-bench-quantized-"))
+
+    ours: dict = {}
+    if not args.skip_batch1:
+        print("aioengine: batch-1 decode through LLM", flush=True)
+        ours["batch1"] = ours_batch1(args, batch1_prompt)
+        print(f"  {ours['batch1']['decode_tokens_per_s']:.1f} tok/s", flush=True)
+        load.sample()
+    server_args = ["--model", args.model, "--num-threads", str(args.threads),
+                   "--max-num-seqs", str(max(64, n_slots)), "--log-level", "warning",
+                   *args.server_arg]
+    ours_server = AioengineServer(server_args, logs / "aioengine.log")
+    llama = None
+    if llama_server is not None:
+        ctx = n_slots * (args.prompt_len + args.max_tokens + 32)
+        llama_args = ["-m", args.model, "-t", str(args.threads), "-tb", str(args.threads),
+                      "-np", str(n_slots), "-c", str(ctx), "--no-webui", *args.llama_arg]
+        llama = LlamaServer(llama_server, llama_args, logs / "llama-server.log",
+                            env_overrides=llama_env(args))
+    ours["server"], theirs_server = measure_servers(ours_server, llama, args, concurrencies,
+                                                    vocab_size, load, batch1_prompt)
+    report["aioengine"] = ours
+
+    if llama_server is not None:
+        theirs: dict = {"version": binary_version(llama_server), "server": theirs_server}
+        if args.skip_batch1:
+            pass
+        elif llama_bench is not None:
+            print("llama.cpp: batch-1 decode through llama-bench", flush=True)
+            theirs["batch1"] = llama_bench_decode(llama_bench, args)
+            print(f"  {theirs['batch1']['decode_tokens_per_s']:.1f} tok/s", flush=True)
+        else:
+            one = [r for r in theirs_server["streams"] if r["concurrency"] == 1]
+            if one and one[0]["tpot"]["count"]:
+                theirs["batch1"] = {"decode_tokens_per_s": 1000.0 / one[0]["tpot"]["p50_ms"],
+                                    "source": "llama-server 1 stream, 1/TPOT p50"}
+        report["llama_cpp"] = theirs
+    load.sample()
+    report["load"] = load.summary()
+    report["ratios"] = ratios(report)
+    report["table_markdown"] = table(report)
+    path = write_results(args.output_json, "quantized.json", report)
+    plot_path = Path(args.plot_dir) / "quantized_vs_llama_cpp.png"
+    plot(report, plot_path)
+    print(f"\n{cpu['model']} ({' '.join(cpu['simd_flags'])}), {args.threads} threads, load "
+          f"{report['load']['loadavg_1m_min']:.2f}-{report['load']['loadavg_1m_max']:.2f}\n")
+    print(report["table_markdown"] + "\n")
+    print_targets(report)
+    print(f"wrote {path} and {plot_path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

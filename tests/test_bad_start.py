@@ -1,0 +1,203 @@
+"""Every bad start of ``aioengine serve`` (entrypoints/preflight.py and the
+CLI around it): one line on stderr naming the problem, exit code 1, no
+traceback, within 2 s, because it is found before anything heavy loads.
+
+Each case runs ``python -m aioengine.entrypoints.cli serve ...`` as a user
+would; the expected fragment of the message pins down which check caught it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aioengine.config import default_model_path
+from aioengine.entrypoints import preflight
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BAD_START_LIMIT_S = 2.0
+
+
+def write_gguf(path: Path, arch: str, tokenizer: bool = True) -> Path:
+    """A tiny GGUF file with one tensor and the metadata keys the checks read."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_embedding_length(8)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((10, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def head_of_default_model(path: Path, num_bytes: int) -> Path:
+    with open(default_model_path(), "rb") as src:
+        path.write_bytes(src.read(num_bytes))
+    return path
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+# (id, flags given tmp_path, expected fragment of the message)
+Flags = Callable[[Path], list[str]]
+CASES: list[tuple[str, Flags, str]] = [
+    ("missing-path", lambda t: ["--model", str(t / "nope.gguf")], "does not exist"),
+    ("folder-without-config", lambda t: ["--model", str(t)], "no config.json"),
+    ("not-gguf", lambda t: ["--model", str(_text(t / "notes.gguf"))], "not a GGUF file"),
+    ("empty-file", lambda t: ["--model", str(_text(t / "empty.gguf", ""))], "not a GGUF file"),
+    ("truncated-header",
+     lambda t: ["--model", str(head_of_default_model(t / "cut.gguf", 64 << 10))], "truncated"),
+    ("truncated-data",
+     lambda t: ["--model", str(head_of_default_model(t / "cut.gguf", 40 << 20))], "truncated"),
+    ("not-a-regular-file", lambda t: ["--model", str(_fifo(t / "pipe.gguf"))],
+     "not a regular file"),
+    ("unreadable", lambda t: ["--model", str(_unreadable(t / "locked.gguf"))],
+     "permission denied"),
+    ("unsupported-architecture-gguf",
+     lambda t: ["--model", str(write_gguf(t / "gpt2.gguf", "gpt2"))], "architecture 'gpt2'"),
+    ("unsupported-architecture-hf", lambda t: ["--model", str(_hf_folder(t, "bert"))],
+     "architecture 'bert'"),
+    ("gguf-without-tokenizer",
+     lambda t: ["--model", str(write_gguf(t / "bare.gguf", "llama", tokenizer=False))],
+     "no tokenizer"),
+    ("kv-cache-below-two-blocks", lambda t: ["--kv-cache-memory", "0.00001"],
+     "at least 2 are needed"),
+    ("kv-cache-beyond-free-memory", lambda t: ["--kv-cache-memory", "1000000"],
+     "memory this machine has free"),
+    ("kv-blocks-override-beyond-free-memory",
+     lambda t: ["--num-gpu-blocks-override", "100000000"], "memory this machine has free"),
+    ("port-not-a-number", lambda t: ["--port", "http"], "invalid int value"),
+    ("port-out-of-range", lambda t: ["--port", "70000"], "not a TCP port"),
+    ("block-size-not-power-of-two", lambda t: ["--block-size", "3"], "power of two"),
+    ("dtype-unknown", lambda t: ["--dtype", "int8"], "invalid choice"),
+    ("max-num-seqs-zero", lambda t: ["--max-num-seqs", "0"], "max_num_seqs"),
+    ("negative-drain-timeout", lambda t: ["--drain-timeout", "-1"], "--drain-timeout"),
+    ("unknown-flag", lambda t: ["--no-such-flag"], "unrecognized arguments"),
+]
+
+
+def _text(path: Path, text: str = "not a model\n") -> Path:
+    path.write_text(text)
+    return path
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)  # opening it would block: the check must not open it
+    return path
+
+
+def _unreadable(path: Path) -> Path:
+    if os.geteuid() == 0:
+        pytest.skip("root reads files whatever their mode")
+    path.write_bytes(b"GGUF")
+    path.chmod(0)
+    return path
+
+
+def _hf_folder(tmp: Path, model_type: str) -> Path:
+    folder = tmp / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": model_type, "num_attention_heads": 2, "num_hidden_layers": 1,
+        "hidden_size": 8}))
+    return folder
+
+
+def run_serve(*flags: str, timeout: float = 30) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "aioengine.entrypoints.cli", "serve", *flags],
+                          capture_output=True, text=True, env=env, cwd=REPO_ROOT,
+                          timeout=timeout)
+    return proc, time.perf_counter() - t0
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, elapsed: float,
+                          fragment: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("aioengine") and ": error: " in lines[0], lines[0]
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stdout == "", proc.stdout
+    assert elapsed < BAD_START_LIMIT_S, f"took {elapsed:.2f} s: {lines[0]}"
+
+
+@pytest.mark.parametrize("flags,fragment", [pytest.param(f, x, id=i) for i, f, x in CASES])
+def test_bad_start_is_one_line_and_exit_code_1(tmp_path, flags, fragment):
+    with socket.socket() as s:  # a free port, so no case meets a server that runs here
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = flags(tmp_path)
+    if "--port" not in args:
+        args = ["--port", str(port), *args]
+    proc, elapsed = run_serve(*args)
+    assert_one_line_error(proc, elapsed, fragment)
+
+
+def test_port_in_use_is_one_line_and_exit_code_1(busy_port):
+    proc, elapsed = run_serve("--port", str(busy_port))
+    assert_one_line_error(proc, elapsed, "Address already in use")
+
+
+# -- the checks themselves --------------------------------------------------------------------
+
+
+def test_supported_architectures_match_the_model_code():
+    from aioengine.models.llama import SUPPORTED_MODEL_TYPES
+
+    assert tuple(preflight.SUPPORTED_ARCHITECTURES) == tuple(SUPPORTED_MODEL_TYPES)
+
+
+def test_the_default_model_passes_and_its_header_is_read_right():
+    """The struct reader against what DESIGN.md states of SmolLM2-135M: a reader
+    that skipped an array wrongly would misread every later key or call the
+    file truncated."""
+    from aioengine.config import EngineConfig
+
+    t0 = time.perf_counter()
+    shape = preflight.check_model(EngineConfig())
+    assert time.perf_counter() - t0 < 1.0
+    assert (shape.architecture, shape.num_layers, shape.num_kv_heads, shape.head_dim) == \
+        ("llama", 30, 3, 64)
+    header = preflight.read_gguf_header(default_model_path())
+    size = os.path.getsize(default_model_path())
+    assert header.num_tensors == 272
+    assert header.metadata["llama.attention.head_count"] == 9
+    assert header.metadata["general.name"].lower().startswith("smollm2")
+    assert 0 <= size - header.data_end < 64  # the last tensor ends at the file's end
+    # 30 layers x K and V x 16 tokens x 3 heads x 64 x 4 bytes, as ModelRunner sizes it.
+    assert shape.kv_bytes_per_block(16, "float32") == 737280
+
+
+def test_one_line_of_a_worker_traceback():
+    from aioengine.entrypoints.cli import one_line
+
+    error = RuntimeError("worker error:\nTraceback (most recent call last):\n  File x\n"
+                         "ValueError: kv_cache_memory_bytes=10 holds 0 blocks\n\n")
+    assert one_line(error) == "ValueError: kv_cache_memory_bytes=10 holds 0 blocks"
+    assert one_line(RuntimeError("")) == "RuntimeError"

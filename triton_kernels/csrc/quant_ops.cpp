@@ -1,0 +1,972 @@
+// Quantized-weight kernels for CPU (see quant_ops.h): dequantize rows, a quantized linear
+// (GEMV for decode, tile-buffered GEMM for batches and prefill) and an embedding gather.
+//
+// Dequantizers follow llama.cpp's dequantize_row_* (ggml/src/ggml-quants.c) operation by
+// operation, so each is bit for bit equal to gguf.quants.dequantize and to
+// triton_kernels/quant_reference.py. The fused multiply-adds below round like the
+// reference's multiply then add because every product of an fp16 scale and a 4-6 bit
+// integer (or of d * sc, at most 17 significant bits, and a 5-bit q) is exact in fp32.
+
+#include "quant_ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace aioengine {
+namespace {
+
+constexpr int64_t QK = 32;    // values per block of the legacy formats
+constexpr int64_t QK_K = 256;  // values per K-quant super-block
+// Up to this many rows of x a tile is 4 weight rows (decoded in registers where the
+// format allows, once per 4 rows of x); above it, 16 rows dequantized once into a buffer.
+constexpr int64_t kGemvMaxRows = 8;
+// How many tiles ahead a thread prefetches its weight bytes.
+constexpr int64_t kPrefetchTiles = 4;
+
+inline void prefetch(const uint8_t* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline float f16(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(load_u16(p)); }
+
+inline float bf16(const uint8_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(load_u16(p)) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K/Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes
+// (llama.cpp's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+using RowDequant = void (*)(const uint8_t* row, int64_t cols, float* y);
+
+// -- portable scalar dequantizers ------------------------------------------------------------
+namespace scalar {
+
+void f32(const uint8_t* b, int64_t cols, float* y) { std::memcpy(y, b, cols * sizeof(float)); }
+
+void f16_row(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols; ++i) y[i] = f16(b + 2 * i);
+}
+
+void bf16_row(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols; ++i) y[i] = bf16(b + 2 * i);
+}
+
+void q8_0(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 34, y += QK) {
+    const float d = f16(b);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < QK; ++j) y[j] = static_cast<float>(q[j]) * d;
+  }
+}
+
+void q4_0(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 18, y += QK) {
+    const float d = f16(b);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>((b[2 + j] & 0xF) - 8);
+      y[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+    }
+  }
+}
+
+void q4_1(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 20, y += QK) {
+    const float d = f16(b), m = f16(b + 2);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>(b[4 + j] & 0xF) + m;
+      y[j + 16] = d * static_cast<float>(b[4 + j] >> 4) + m;
+    }
+  }
+}
+
+void q5_0(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 22, y += QK) {
+    const float d = f16(b);
+    const uint32_t qh = load_u32(b + 2);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (b[6 + j] & 0xF) | (((qh >> j) & 1) << 4);
+      const int hi = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      y[j] = d * static_cast<float>(lo - 16);
+      y[j + 16] = d * static_cast<float>(hi - 16);
+    }
+  }
+}
+
+void q5_1(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 24, y += QK) {
+    const float d = f16(b), m = f16(b + 2);
+    const uint32_t qh = load_u32(b + 4);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (b[8 + j] & 0xF) | (((qh >> j) & 1) << 4);
+      const int hi = (b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      y[j] = d * static_cast<float>(lo) + m;
+      y[j + 16] = d * static_cast<float>(hi) + m;
+    }
+  }
+}
+
+void q4_k(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK_K; ++i, b += 144) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* q = b + 16;
+    for (int j = 0; j < 8; j += 2, q += 32, y += 64) {
+      uint8_t sc, m;
+      scale_min_k4(j, b + 4, &sc, &m);
+      const float d1 = d * sc, m1 = dmin * m;
+      scale_min_k4(j + 1, b + 4, &sc, &m);
+      const float d2 = d * sc, m2 = dmin * m;
+      for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>(q[l] & 0xF) - m1;
+      for (int l = 0; l < 32; ++l) y[32 + l] = d2 * static_cast<float>(q[l] >> 4) - m2;
+    }
+  }
+}
+
+void q5_k(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK_K; ++i, b += 176) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* qh = b + 16;
+    const uint8_t* q = b + 48;
+    for (int j = 0; j < 8; j += 2, q += 32, y += 64) {
+      uint8_t sc, m;
+      scale_min_k4(j, b + 4, &sc, &m);
+      const float d1 = d * sc, m1 = dmin * m;
+      scale_min_k4(j + 1, b + 4, &sc, &m);
+      const float d2 = d * sc, m2 = dmin * m;
+      for (int l = 0; l < 32; ++l) {
+        y[l] = d1 * static_cast<float>((q[l] & 0xF) | (((qh[l] >> j) & 1) << 4)) - m1;
+        y[32 + l] = d2 * static_cast<float>((q[l] >> 4) | (((qh[l] >> (j + 1)) & 1) << 4)) - m2;
+      }
+    }
+  }
+}
+
+void q6_k(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK_K; ++i, b += 210) {
+    const float d = f16(b + 208);
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8, y += 128) {
+      for (int l = 0; l < 32; ++l) {
+        const int is = l / 16;
+        const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        // (d * sc) * q, the reference's order: the second product may round
+        y[l] = (d * sc[is]) * static_cast<float>(q1);
+        y[l + 32] = (d * sc[is + 2]) * static_cast<float>(q2);
+        y[l + 64] = (d * sc[is + 4]) * static_cast<float>(q3);
+        y[l + 96] = (d * sc[is + 6]) * static_cast<float>(q4);
+      }
+    }
+  }
+}
+
+// out[m * ldy + r] = dot(x[m], w[r]) for m < M, r < R; w rows ldw floats apart.
+void micro(int M, int R, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+           float* y, int64_t ldy) {
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float acc[8] = {0.f};
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += x[m * ldx + k + j] * w[r * ldw + k + j];
+      float s = 0.f;
+      for (int j = 0; j < 8; ++j) s += acc[j];
+      for (; k < K; ++k) s += x[m * ldx + k] * w[r * ldw + k];
+      y[m * ldy + r] = s;
+    }
+}
+
+}  // namespace scalar
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define AIOENGINE_HAVE_AVX2 1
+// -- AVX2 + FMA + F16C: 8 lanes --------------------------------------------------------------
+namespace avx2 {
+
+inline __m256i u8x8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i i8x8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline __m256 h2v(const uint8_t* p) { return _mm256_set1_ps(_cvtsh_ss(load_u16(p))); }
+inline __m256i lanes(int first) { return _mm256_setr_epi32(first, first + 1, first + 2, first + 3,
+                                                           first + 4, first + 5, first + 6, first + 7); }
+
+void f16_row(const uint8_t* b, int64_t cols, float* y) {
+  int64_t i = 0;
+  for (; i + 8 <= cols; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * i))));
+  for (; i < cols; ++i) y[i] = f16(b + 2 * i);
+}
+
+void bf16_row(const uint8_t* b, int64_t cols, float* y) {
+  int64_t i = 0;
+  for (; i + 8 <= cols; i += 8) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * i)));
+    _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+  }
+  for (; i < cols; ++i) y[i] = bf16(b + 2 * i);
+}
+
+void q8_0(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 34, y += QK) {
+    const __m256 d = h2v(b);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + 8 * j, _mm256_mul_ps(cvt(i8x8(b + 2 + 8 * j)), d));
+  }
+}
+
+// The 16 nibble bytes of a legacy block at p: lanes 8h..8h+7 of the low and high halves.
+inline void nibbles(const uint8_t* p, int h, __m256i* lo, __m256i* hi) {
+  const __m256i v = u8x8(p + 8 * h);
+  *lo = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
+  *hi = _mm256_srli_epi32(v, 4);
+}
+
+// The 5th bits of lanes first..first+7 of a Q5 block, as 0 or 16.
+inline __m256i fifth_bit(uint32_t qh, int first) {
+  const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh)), lanes(first));
+  return _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(1)), 4);
+}
+
+void q4_0(const uint8_t* b, int64_t cols, float* y) {
+  const __m256i eight = _mm256_set1_epi32(8);
+  for (int64_t i = 0; i < cols / QK; ++i, b += 18, y += QK) {
+    const __m256 d = h2v(b);
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo, hi;
+      nibbles(b + 2, h, &lo, &hi);
+      _mm256_storeu_ps(y + 8 * h, _mm256_mul_ps(d, cvt(_mm256_sub_epi32(lo, eight))));
+      _mm256_storeu_ps(y + 16 + 8 * h, _mm256_mul_ps(d, cvt(_mm256_sub_epi32(hi, eight))));
+    }
+  }
+}
+
+void q4_1(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 20, y += QK) {
+    const __m256 d = h2v(b), m = h2v(b + 2);
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo, hi;
+      nibbles(b + 4, h, &lo, &hi);
+      _mm256_storeu_ps(y + 8 * h, _mm256_fmadd_ps(d, cvt(lo), m));
+      _mm256_storeu_ps(y + 16 + 8 * h, _mm256_fmadd_ps(d, cvt(hi), m));
+    }
+  }
+}
+
+void q5_0(const uint8_t* b, int64_t cols, float* y) {
+  const __m256i sixteen = _mm256_set1_epi32(16);
+  for (int64_t i = 0; i < cols / QK; ++i, b += 22, y += QK) {
+    const __m256 d = h2v(b);
+    const uint32_t qh = load_u32(b + 2);
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo, hi;
+      nibbles(b + 6, h, &lo, &hi);
+      lo = _mm256_sub_epi32(_mm256_or_si256(lo, fifth_bit(qh, 8 * h)), sixteen);
+      hi = _mm256_sub_epi32(_mm256_or_si256(hi, fifth_bit(qh, 16 + 8 * h)), sixteen);
+      _mm256_storeu_ps(y + 8 * h, _mm256_mul_ps(d, cvt(lo)));
+      _mm256_storeu_ps(y + 16 + 8 * h, _mm256_mul_ps(d, cvt(hi)));
+    }
+  }
+}
+
+void q5_1(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 24, y += QK) {
+    const __m256 d = h2v(b), m = h2v(b + 2);
+    const uint32_t qh = load_u32(b + 4);
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo, hi;
+      nibbles(b + 8, h, &lo, &hi);
+      lo = _mm256_or_si256(lo, fifth_bit(qh, 8 * h));
+      hi = _mm256_or_si256(hi, fifth_bit(qh, 16 + 8 * h));
+      _mm256_storeu_ps(y + 8 * h, _mm256_fmadd_ps(d, cvt(lo), m));
+      _mm256_storeu_ps(y + 16 + 8 * h, _mm256_fmadd_ps(d, cvt(hi), m));
+    }
+  }
+}
+
+// Q4_K and Q5_K share everything but the 5th bit (qh == nullptr for Q4_K).
+inline void k_quant_4_5(const uint8_t* b, const uint8_t* qh, const uint8_t* q, float* y) {
+  const float d = f16(b), dmin = f16(b + 2);
+  const __m256i mask = _mm256_set1_epi32(0xF), one = _mm256_set1_epi32(1);
+  for (int j = 0; j < 8; j += 2, q += 32, y += 64) {
+    uint8_t sc, mn;
+    scale_min_k4(j, b + 4, &sc, &mn);
+    const __m256 d1 = _mm256_set1_ps(d * sc), m1 = _mm256_set1_ps(dmin * mn);
+    scale_min_k4(j + 1, b + 4, &sc, &mn);
+    const __m256 d2 = _mm256_set1_ps(d * sc), m2 = _mm256_set1_ps(dmin * mn);
+    for (int l = 0; l < 32; l += 8) {
+      const __m256i v = u8x8(q + l);
+      __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi32(v, 4);
+      if (qh != nullptr) {
+        const __m256i h = u8x8(qh + l);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(
+                                      _mm256_srl_epi32(h, _mm_cvtsi32_si128(j)), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(
+                                      _mm256_srl_epi32(h, _mm_cvtsi32_si128(j + 1)), one), 4));
+      }
+      _mm256_storeu_ps(y + l, _mm256_fmsub_ps(d1, cvt(lo), m1));
+      _mm256_storeu_ps(y + 32 + l, _mm256_fmsub_ps(d2, cvt(hi), m2));
+    }
+  }
+}
+
+void q4_k(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK_K; ++i, b += 144, y += QK_K) k_quant_4_5(b, nullptr, b + 16, y);
+}
+
+void q5_k(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK_K; ++i, b += 176, y += QK_K) k_quant_4_5(b, b + 16, b + 48, y);
+}
+
+void q6_k(const uint8_t* b, int64_t cols, float* y) {
+  const __m256i mask = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3),
+                bias = _mm256_set1_epi32(32);
+  for (int64_t i = 0; i < cols / QK_K; ++i, b += 210) {
+    const float d = f16(b + 208);
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8, y += 128) {
+      for (int l = 0; l < 32; l += 8) {
+        const int is = l / 16;
+        const __m256i a = u8x8(ql + l), c = u8x8(ql + 32 + l), h = u8x8(qh + l);
+        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(a, mask),
+                                           _mm256_slli_epi32(_mm256_and_si256(h, three), 4));
+        const __m256i q2 = _mm256_or_si256(_mm256_and_si256(c, mask), _mm256_slli_epi32(
+                                               _mm256_and_si256(_mm256_srli_epi32(h, 2), three), 4));
+        const __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_slli_epi32(
+                                               _mm256_and_si256(_mm256_srli_epi32(h, 4), three), 4));
+        const __m256i q4 = _mm256_or_si256(_mm256_srli_epi32(c, 4),
+                                           _mm256_slli_epi32(_mm256_srli_epi32(h, 6), 4));
+        _mm256_storeu_ps(y + l, _mm256_mul_ps(_mm256_set1_ps(d * sc[is]), cvt(_mm256_sub_epi32(q1, bias))));
+        _mm256_storeu_ps(y + l + 32, _mm256_mul_ps(_mm256_set1_ps(d * sc[is + 2]), cvt(_mm256_sub_epi32(q2, bias))));
+        _mm256_storeu_ps(y + l + 64, _mm256_mul_ps(_mm256_set1_ps(d * sc[is + 4]), cvt(_mm256_sub_epi32(q3, bias))));
+        _mm256_storeu_ps(y + l + 96, _mm256_mul_ps(_mm256_set1_ps(d * sc[is + 6]), cvt(_mm256_sub_epi32(q4, bias))));
+      }
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int M, int R>
+void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
+                int64_t ldy) {
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * ldw + k);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[m][r]);
+      for (int64_t t = k; t < K; ++t) s += x[m * ldx + t] * w[r * ldw + t];
+      y[m * ldy + r] = s;
+    }
+}
+
+}  // namespace avx2
+#endif
+
+#if defined(__AVX512F__)
+#define AIOENGINE_HAVE_AVX512 1
+// -- AVX-512: 16 lanes -----------------------------------------------------------------------
+namespace avx512 {
+
+inline __m512i u8x16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512i i8x16(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512 h2v(const uint8_t* p) { return _mm512_set1_ps(_cvtsh_ss(load_u16(p))); }
+
+void f16_row(const uint8_t* b, int64_t cols, float* y) {
+  int64_t i = 0;
+  for (; i + 16 <= cols; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * i))));
+  for (; i < cols; ++i) y[i] = f16(b + 2 * i);
+}
+
+void bf16_row(const uint8_t* b, int64_t cols, float* y) {
+  int64_t i = 0;
+  for (; i + 16 <= cols; i += 16) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * i)));
+    _mm512_storeu_ps(y + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+  for (; i < cols; ++i) y[i] = bf16(b + 2 * i);
+}
+
+void q8_0(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 34, y += QK) {
+    const __m512 d = h2v(b);
+    _mm512_storeu_ps(y, _mm512_mul_ps(cvt(i8x16(b + 2)), d));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(cvt(i8x16(b + 18)), d));
+  }
+}
+
+void q4_0(const uint8_t* b, int64_t cols, float* y) {
+  const __m512i mask = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
+  for (int64_t i = 0; i < cols / QK; ++i, b += 18, y += QK) {
+    const __m512 d = h2v(b);
+    const __m512i v = u8x16(b + 2);
+    _mm512_storeu_ps(y, _mm512_mul_ps(d, cvt(_mm512_sub_epi32(_mm512_and_si512(v, mask), eight))));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, cvt(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight))));
+  }
+}
+
+void q4_1(const uint8_t* b, int64_t cols, float* y) {
+  const __m512i mask = _mm512_set1_epi32(0xF);
+  for (int64_t i = 0; i < cols / QK; ++i, b += 20, y += QK) {
+    const __m512 d = h2v(b), m = h2v(b + 2);
+    const __m512i v = u8x16(b + 4);
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(d, cvt(_mm512_and_si512(v, mask)), m));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(d, cvt(_mm512_srli_epi32(v, 4)), m));
+  }
+}
+
+// A Q5 block's 32 values before the offset: nibbles, with 16 added where qh has the bit.
+inline void q5_values(const uint8_t* qs, uint32_t qh, __m512i* lo, __m512i* hi) {
+  const __m512i v = u8x16(qs), sixteen = _mm512_set1_epi32(16);
+  const __m512i l = _mm512_and_si512(v, _mm512_set1_epi32(0xF)), h = _mm512_srli_epi32(v, 4);
+  *lo = _mm512_mask_or_epi32(l, static_cast<__mmask16>(qh & 0xFFFF), l, sixteen);
+  *hi = _mm512_mask_or_epi32(h, static_cast<__mmask16>(qh >> 16), h, sixteen);
+}
+
+void q5_0(const uint8_t* b, int64_t cols, float* y) {
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  for (int64_t i = 0; i < cols / QK; ++i, b += 22, y += QK) {
+    const __m512 d = h2v(b);
+    __m512i lo, hi;
+    q5_values(b + 6, load_u32(b + 2), &lo, &hi);
+    _mm512_storeu_ps(y, _mm512_mul_ps(d, cvt(_mm512_sub_epi32(lo, sixteen))));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, cvt(_mm512_sub_epi32(hi, sixteen))));
+  }
+}
+
+void q5_1(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK; ++i, b += 24, y += QK) {
+    const __m512 d = h2v(b), m = h2v(b + 2);
+    __m512i lo, hi;
+    q5_values(b + 8, load_u32(b + 4), &lo, &hi);
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(d, cvt(lo), m));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(d, cvt(hi), m));
+  }
+}
+
+inline void k_quant_4_5(const uint8_t* b, const uint8_t* qh, const uint8_t* q, float* y) {
+  const float d = f16(b), dmin = f16(b + 2);
+  const __m512i mask = _mm512_set1_epi32(0xF), sixteen = _mm512_set1_epi32(16);
+  __m512i h[2];
+  if (qh != nullptr) {
+    h[0] = u8x16(qh);
+    h[1] = u8x16(qh + 16);
+  }
+  for (int j = 0; j < 8; j += 2, q += 32, y += 64) {
+    uint8_t sc, mn;
+    scale_min_k4(j, b + 4, &sc, &mn);
+    const __m512 d1 = _mm512_set1_ps(d * sc), m1 = _mm512_set1_ps(dmin * mn);
+    scale_min_k4(j + 1, b + 4, &sc, &mn);
+    const __m512 d2 = _mm512_set1_ps(d * sc), m2 = _mm512_set1_ps(dmin * mn);
+    for (int l = 0; l < 2; ++l) {
+      const __m512i v = u8x16(q + 16 * l);
+      __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_srli_epi32(v, 4);
+      if (qh != nullptr) {
+        const __mmask16 klo = _mm512_test_epi32_mask(h[l], _mm512_set1_epi32(1 << j));
+        const __mmask16 khi = _mm512_test_epi32_mask(h[l], _mm512_set1_epi32(2 << j));
+        lo = _mm512_mask_or_epi32(lo, klo, lo, sixteen);
+        hi = _mm512_mask_or_epi32(hi, khi, hi, sixteen);
+      }
+      _mm512_storeu_ps(y + 16 * l, _mm512_fmsub_ps(d1, cvt(lo), m1));
+      _mm512_storeu_ps(y + 32 + 16 * l, _mm512_fmsub_ps(d2, cvt(hi), m2));
+    }
+  }
+}
+
+void q4_k(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK_K; ++i, b += 144, y += QK_K) k_quant_4_5(b, nullptr, b + 16, y);
+}
+
+void q5_k(const uint8_t* b, int64_t cols, float* y) {
+  for (int64_t i = 0; i < cols / QK_K; ++i, b += 176, y += QK_K) k_quant_4_5(b, b + 16, b + 48, y);
+}
+
+void q6_k(const uint8_t* b, int64_t cols, float* y) {
+  const __m512i mask = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3),
+                bias = _mm512_set1_epi32(32);
+  for (int64_t i = 0; i < cols / QK_K; ++i, b += 210) {
+    const float d = f16(b + 208);
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int n = 0; n < QK_K; n += 128, ql += 64, qh += 32, sc += 8, y += 128) {
+      for (int l = 0; l < 32; l += 16) {
+        const int is = l / 16;
+        const __m512i a = u8x16(ql + l), c = u8x16(ql + 32 + l), h = u8x16(qh + l);
+        const __m512i q1 = _mm512_or_si512(_mm512_and_si512(a, mask),
+                                           _mm512_slli_epi32(_mm512_and_si512(h, three), 4));
+        const __m512i q2 = _mm512_or_si512(_mm512_and_si512(c, mask), _mm512_slli_epi32(
+                                               _mm512_and_si512(_mm512_srli_epi32(h, 2), three), 4));
+        const __m512i q3 = _mm512_or_si512(_mm512_srli_epi32(a, 4), _mm512_slli_epi32(
+                                               _mm512_and_si512(_mm512_srli_epi32(h, 4), three), 4));
+        const __m512i q4 = _mm512_or_si512(_mm512_srli_epi32(c, 4),
+                                           _mm512_slli_epi32(_mm512_srli_epi32(h, 6), 4));
+        _mm512_storeu_ps(y + l, _mm512_mul_ps(_mm512_set1_ps(d * sc[is]), cvt(_mm512_sub_epi32(q1, bias))));
+        _mm512_storeu_ps(y + l + 32, _mm512_mul_ps(_mm512_set1_ps(d * sc[is + 2]), cvt(_mm512_sub_epi32(q2, bias))));
+        _mm512_storeu_ps(y + l + 64, _mm512_mul_ps(_mm512_set1_ps(d * sc[is + 4]), cvt(_mm512_sub_epi32(q3, bias))));
+        _mm512_storeu_ps(y + l + 96, _mm512_mul_ps(_mm512_set1_ps(d * sc[is + 6]), cvt(_mm512_sub_epi32(q4, bias))));
+      }
+    }
+  }
+}
+
+template <int M, int R>
+void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
+                int64_t ldy) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + r * ldw + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  if (k < K) {  // F16/BF16 rows may end mid-vector
+    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(tail, w + r * ldw + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+
+// -- fused GEMV for the 32-value formats: blocks decoded in registers, never stored --------
+// At decode (M <= 4) the linear is bound by decoding the weight; writing the values to a
+// buffer and reading them back costs a third of the work. Here each block of a row
+// becomes two vectors that go straight into the dot products. A 4-bit (5-bit) block is
+// decoded with a 16 (32) entry table of its values, d * q (+ m) for every q, and one
+// vpermps (vpermt2ps) per 16 values, which picks table entries by the low 4 (5) bits of
+// each lane: no integer-to-float conversion, no masking.
+
+inline __m512 iota16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+template <int QT>
+inline void block32(const uint8_t* b, __m512* lo, __m512* hi);
+
+template <>
+inline void block32<kQ8_0>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 d = h2v(b);
+  *lo = _mm512_mul_ps(cvt(i8x16(b + 2)), d);
+  *hi = _mm512_mul_ps(cvt(i8x16(b + 18)), d);
+}
+
+template <>
+inline void block32<kQ4_0>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 table = _mm512_mul_ps(h2v(b), _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f)));
+  const __m512i v = u8x16(b + 2);
+  *lo = _mm512_permutexvar_ps(v, table);
+  *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+
+template <>
+inline void block32<kQ4_1>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 table = _mm512_fmadd_ps(iota16(), h2v(b), h2v(b + 2));
+  const __m512i v = u8x16(b + 4);
+  *lo = _mm512_permutexvar_ps(v, table);
+  *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+
+// 5-bit indices of a Q5 block: nibble | fifth bit << 4.
+inline void q5_index(const uint8_t* qs, uint32_t qh, __m512i* lo, __m512i* hi) {
+  q5_values(qs, qh, lo, hi);
+}
+
+template <>
+inline void block32<kQ5_0>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 d = h2v(b), iota = iota16();
+  const __m512 t0 = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.f)));
+  const __m512 t1 = _mm512_mul_ps(d, iota);
+  __m512i il, ih;
+  q5_index(b + 6, load_u32(b + 2), &il, &ih);
+  *lo = _mm512_permutex2var_ps(t0, il, t1);
+  *hi = _mm512_permutex2var_ps(t0, ih, t1);
+}
+
+template <>
+inline void block32<kQ5_1>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 d = h2v(b), m = h2v(b + 2), iota = iota16();
+  const __m512 t0 = _mm512_fmadd_ps(iota, d, m);
+  const __m512 t1 = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), d, m);
+  __m512i il, ih;
+  q5_index(b + 8, load_u32(b + 4), &il, &ih);
+  *lo = _mm512_permutex2var_ps(t0, il, t1);
+  *hi = _mm512_permutex2var_ps(t0, ih, t1);
+}
+
+// y[m * ldy + r] = dot(x[m], row r) for m < M, r < R; rows of `blocks` blocks of TS bytes.
+template <int QT, int TS, int M, int R>
+void gemv_tile(const uint8_t* w, int64_t row_stride, int64_t blocks, const float* x,
+               int64_t ldx, float* y, int64_t ldy) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < blocks; ++i) {
+    __m512 xl[M], xh[M];
+    for (int m = 0; m < M; ++m) {
+      xl[m] = _mm512_loadu_ps(x + m * ldx + 32 * i);
+      xh[m] = _mm512_loadu_ps(x + m * ldx + 32 * i + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 lo, hi;
+      block32<QT>(w + r * row_stride + i * TS, &lo, &hi);
+      for (int m = 0; m < M; ++m)
+        acc[m][r] = _mm512_fmadd_ps(hi, xh[m], _mm512_fmadd_ps(lo, xl[m], acc[m][r]));
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+using Gemv = void (*)(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+
+template <int QT, int TS>
+Gemv gemv_for(int M, int R) {
+  static const Gemv table[4][4] = {
+      {gemv_tile<QT, TS, 1, 1>, gemv_tile<QT, TS, 1, 2>, gemv_tile<QT, TS, 1, 3>, gemv_tile<QT, TS, 1, 4>},
+      {gemv_tile<QT, TS, 2, 1>, gemv_tile<QT, TS, 2, 2>, gemv_tile<QT, TS, 2, 3>, gemv_tile<QT, TS, 2, 4>},
+      {gemv_tile<QT, TS, 3, 1>, gemv_tile<QT, TS, 3, 2>, gemv_tile<QT, TS, 3, 3>, gemv_tile<QT, TS, 3, 4>},
+      {gemv_tile<QT, TS, 4, 1>, gemv_tile<QT, TS, 4, 2>, gemv_tile<QT, TS, 4, 3>, gemv_tile<QT, TS, 4, 4>}};
+  return table[M - 1][R - 1];
+}
+
+// The fused kernel for a format and tile, or nullptr (K-quants, F16/BF16: buffered path).
+Gemv gemv(int qtype, int M, int R) {
+  switch (qtype) {
+    case kQ8_0: return gemv_for<kQ8_0, 34>(M, R);
+    case kQ4_0: return gemv_for<kQ4_0, 18>(M, R);
+    case kQ4_1: return gemv_for<kQ4_1, 20>(M, R);
+    case kQ5_0: return gemv_for<kQ5_0, 22>(M, R);
+    case kQ5_1: return gemv_for<kQ5_1, 24>(M, R);
+    default: return nullptr;
+  }
+}
+
+}  // namespace avx512
+#endif
+
+// -- dispatch tables -----------------------------------------------------------------------
+
+RowDequant row_dequant(int qtype, Isa isa) {
+#define AIOENGINE_TABLE(ns)                                                              \
+  switch (qtype) {                                                                       \
+    case kF32: return scalar::f32;                                                       \
+    case kF16: return ns::f16_row;                                                       \
+    case kBF16: return ns::bf16_row;                                                     \
+    case kQ8_0: return ns::q8_0;                                                         \
+    case kQ4_0: return ns::q4_0;                                                         \
+    case kQ4_1: return ns::q4_1;                                                         \
+    case kQ5_0: return ns::q5_0;                                                         \
+    case kQ5_1: return ns::q5_1;                                                         \
+    case kQ4_K: return ns::q4_k;                                                         \
+    case kQ5_K: return ns::q5_k;                                                         \
+    case kQ6_K: return ns::q6_k;                                                         \
+    default: TORCH_CHECK(false, "quant: unsupported GGML type ", qtype);                 \
+  }
+#if defined(AIOENGINE_HAVE_AVX512)
+  if (isa == Isa::kAvx512) { AIOENGINE_TABLE(avx512) }
+#endif
+#if defined(AIOENGINE_HAVE_AVX2)
+  if (isa == Isa::kAvx2) { AIOENGINE_TABLE(avx2) }
+#endif
+  AIOENGINE_TABLE(scalar)
+#undef AIOENGINE_TABLE
+}
+
+using Micro = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+
+#define AIOENGINE_MICRO_TABLE(ns)                                                        \
+  Micro ns##_micro(int M, int R) {                                                       \
+    static const Micro table[4][4] = {                                                   \
+        {ns::micro_tile<1, 1>, ns::micro_tile<1, 2>, ns::micro_tile<1, 3>, ns::micro_tile<1, 4>}, \
+        {ns::micro_tile<2, 1>, ns::micro_tile<2, 2>, ns::micro_tile<2, 3>, ns::micro_tile<2, 4>}, \
+        {ns::micro_tile<3, 1>, ns::micro_tile<3, 2>, ns::micro_tile<3, 3>, ns::micro_tile<3, 4>}, \
+        {ns::micro_tile<4, 1>, ns::micro_tile<4, 2>, ns::micro_tile<4, 3>, ns::micro_tile<4, 4>}}; \
+    return table[M - 1][R - 1];                                                          \
+  }
+#if defined(AIOENGINE_HAVE_AVX512)
+AIOENGINE_MICRO_TABLE(avx512)
+#endif
+#if defined(AIOENGINE_HAVE_AVX2)
+AIOENGINE_MICRO_TABLE(avx2)
+#endif
+#undef AIOENGINE_MICRO_TABLE
+
+// y[m * ldy + r] = dot(x[m], w[r]) for m < M (<= 4), r < R (<= 4).
+inline void micro(Isa isa, int M, int R, const float* x, int64_t ldx, const float* w,
+                  int64_t ldw, int64_t K, float* y, int64_t ldy) {
+#if defined(AIOENGINE_HAVE_AVX512)
+  if (isa == Isa::kAvx512) return avx512_micro(M, R)(x, ldx, w, ldw, K, y, ldy);
+#endif
+#if defined(AIOENGINE_HAVE_AVX2)
+  if (isa == Isa::kAvx2) return avx2_micro(M, R)(x, ldx, w, ldw, K, y, ldy);
+#endif
+  scalar::micro(M, R, x, ldx, w, ldw, K, y, ldy);
+}
+
+}  // namespace
+
+Isa resolve_isa(int64_t requested) {
+  Isa best = Isa::kScalar;
+#if defined(AIOENGINE_HAVE_AVX512)
+  best = Isa::kAvx512;
+#elif defined(AIOENGINE_HAVE_AVX2)
+  best = Isa::kAvx2;
+#endif
+  if (requested < 0) return best;
+  TORCH_CHECK(requested <= 2, "quant: isa must be -1 (best), 0 (scalar), 1 (AVX2) or 2 (AVX-512)");
+  Isa isa = static_cast<Isa>(requested);
+  return static_cast<int>(isa) > static_cast<int>(best) ? best : isa;
+}
+
+int64_t block_size(int qtype) {
+  switch (qtype) {
+    case kF32: case kF16: case kBF16: return 1;
+    case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: return QK;
+    case kQ4_K: case kQ5_K: case kQ6_K: return QK_K;
+    default: TORCH_CHECK(false, "quant: unsupported GGML type ", qtype);
+  }
+}
+
+int64_t type_size(int qtype) {
+  switch (qtype) {
+    case kF32: return 4;
+    case kF16: case kBF16: return 2;
+    case kQ8_0: return 34;
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: TORCH_CHECK(false, "quant: unsupported GGML type ", qtype);
+  }
+}
+
+namespace {
+
+// Checks one part tensor and describes it.
+WeightPart make_part(const at::Tensor& t, int qtype, int64_t cols) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2, "quant: a weight part must be a 2-D CPU tensor");
+  const int64_t bs = block_size(qtype);
+  TORCH_CHECK(cols % bs == 0, "quant: cols ", cols, " is not a multiple of the block size ", bs);
+  if (qtype == kF32) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.size(1) == cols && t.stride(1) == 1,
+                "quant: an F32 part must be fp32 [rows, ", cols, "] with unit column stride");
+    return {reinterpret_cast<const uint8_t*>(t.data_ptr<float>()), t.stride(0) * 4, qtype, t.size(0)};
+  }
+  const int64_t row_bytes = cols / bs * type_size(qtype);
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.size(1) == row_bytes &&
+                  (t.stride(1) == 1 || t.size(1) == 1) && (t.stride(0) >= row_bytes || t.size(0) <= 1),
+              "quant: a GGML type ", qtype, " part of ", cols, " columns must be uint8 [rows, ",
+              row_bytes, "] with contiguous rows, got ", t.scalar_type(), " ", t.sizes());
+  return {t.data_ptr<uint8_t>(), t.stride(0), qtype, t.size(0)};
+}
+
+}  // namespace
+
+QuantLinear make_quant_linear(const std::vector<at::Tensor>& parts,
+                              const std::vector<int64_t>& qtypes, int64_t cols) {
+  TORCH_CHECK(!parts.empty() && parts.size() == qtypes.size(),
+              "quant: one GGML type per weight part expected");
+  TORCH_CHECK(cols > 0, "quant: cols must be positive");
+  QuantLinear w;
+  w.cols = cols;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    w.parts.push_back(make_part(parts[i], static_cast<int>(qtypes[i]), cols));
+    w.tensors.push_back(parts[i]);
+    w.rows += w.parts.back().rows;
+  }
+  return w;
+}
+
+void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
+                       const QuantLinear& w, const float* bias, Isa isa) {
+  const int64_t K = w.cols;
+  // Tile height: at decode 4 rows keep the buffer in L1 and give the threads many tiles;
+  // for batches 16 rows are dequantized once for up to 64+ rows of x.
+  const int64_t T = M <= kGemvMaxRows ? 4 : 16;
+  std::vector<int64_t> first_tile(w.parts.size() + 1, 0), first_row(w.parts.size(), 0);
+  std::vector<RowDequant> dequant(w.parts.size());
+  std::vector<int64_t> row_bytes(w.parts.size());
+  // Parts decoded in registers (AVX-512 GEMV for the 32-value formats) or through the buffer.
+  std::vector<char> fused(w.parts.size(), 0);
+  for (size_t p = 0; p < w.parts.size(); ++p) {
+#if defined(AIOENGINE_HAVE_AVX512)
+    fused[p] = isa == Isa::kAvx512 && M <= kGemvMaxRows &&
+               avx512::gemv(w.parts[p].qtype, 1, 1) != nullptr;
+#endif
+    first_tile[p + 1] = first_tile[p] + (w.parts[p].rows + T - 1) / T;
+    if (p > 0) first_row[p] = first_row[p - 1] + w.parts[p - 1].rows;
+    dequant[p] = row_dequant(w.parts[p].qtype, isa);
+    row_bytes[p] = K / block_size(w.parts[p].qtype) * type_size(w.parts[p].qtype);
+  }
+  at::parallel_for(0, first_tile.back(), 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buffer;
+    if (static_cast<int64_t>(buffer.size()) < T * K) buffer.resize(T * K);
+    float* buf = buffer.data();
+    size_t p = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= first_tile[p + 1]) ++p;
+      const WeightPart& part = w.parts[p];
+      const int64_t r0 = (t - first_tile[p]) * T, rows = std::min(T, part.rows - r0);
+      const int64_t n0 = first_row[p] + r0;
+      // At decode the weight streams from DRAM once per step: ask for a tile a few tiles
+      // ahead, so the misses of one thread overlap instead of queueing behind its compute.
+      if (t + kPrefetchTiles < end && t + kPrefetchTiles < first_tile[p + 1]) {
+        const int64_t ahead = r0 + kPrefetchTiles * T;
+        const int64_t stop = std::min(part.rows, ahead + T);
+        for (int64_t r = ahead; r < stop; ++r)
+          for (int64_t off = 0; off < row_bytes[p]; off += 64)
+            prefetch(part.data + r * part.row_stride + off);
+      }
+#if defined(AIOENGINE_HAVE_AVX512)
+      if (fused[p]) {
+        const int R = static_cast<int>(rows);
+        for (int64_t m0 = 0; m0 < M; m0 += 4)  // up to 8 rows: decoding twice beats the buffer
+          avx512::gemv(part.qtype, static_cast<int>(std::min<int64_t>(4, M - m0)), R)(
+              part.data + r0 * part.row_stride, part.row_stride, K / QK, x + m0 * ldx, ldx,
+              y + m0 * ldy + n0, ldy);
+        if (bias != nullptr)
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] += bias[n0 + r];
+        continue;
+      }
+#endif
+      for (int64_t r = 0; r < rows; ++r)
+        dequant[p](part.data + (r0 + r) * part.row_stride, K, buf + r * K);
+      for (int64_t rr = 0; rr < rows; rr += 4) {
+        const int R = static_cast<int>(std::min<int64_t>(4, rows - rr));
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int MM = static_cast<int>(std::min<int64_t>(4, M - m0));
+          micro(isa, MM, R, x + m0 * ldx, ldx, buf + rr * K, K, K, y + m0 * ldy + n0 + rr, ldy);
+        }
+      }
+      if (bias != nullptr)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] += bias[n0 + r];
+    }
+  });
+}
+
+at::Tensor quant_dequantize(at::Tensor data, int64_t qtype, int64_t cols, int64_t isa) {
+  const WeightPart part = make_part(data, static_cast<int>(qtype), cols);
+  const RowDequant fn = row_dequant(part.qtype, resolve_isa(isa));
+  at::Tensor out = at::empty({part.rows, cols}, data.options().dtype(at::kFloat));
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, part.rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(part.data + r * part.row_stride, cols, y + r * cols);
+  });
+  return out;
+}
+
+at::Tensor quant_linear(at::Tensor x, std::vector<at::Tensor> parts, std::vector<int64_t> qtypes,
+                        int64_t cols, c10::optional<at::Tensor> bias, int64_t isa) {
+  const QuantLinear w = make_quant_linear(parts, qtypes, cols);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.scalar_type() == at::kFloat &&
+                  x.stride(1) == 1 && x.device().is_cpu(),
+              "quant_linear: x must be fp32 [M, ", cols, "] with unit column stride");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == w.rows, "quant_linear: bias must be fp32 [", w.rows, "]");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
+  if (x.size(0) > 0)
+    quant_linear_into(y.data_ptr<float>(), w.rows, x.data_ptr<float>(), x.stride(0), x.size(0), w,
+                      b, resolve_isa(isa));
+  return y;
+}
+
+at::Tensor quant_embedding(at::Tensor ids, at::Tensor data, int64_t qtype, int64_t cols,
+                           int64_t isa) {
+  const WeightPart part = make_part(data, static_cast<int>(qtype), cols);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+              "quant_embedding: ids must be contiguous int64 [T]");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.numel(); ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < part.rows, "quant_embedding: id ", id[t], " outside [0, ",
+                part.rows, ")");
+  const RowDequant fn = row_dequant(part.qtype, resolve_isa(isa));
+  at::Tensor out = at::empty({ids.numel(), cols}, data.options().dtype(at::kFloat));
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, ids.numel(), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) fn(part.data + id[t] * part.row_stride, cols, y + t * cols);
+  });
+  return out;
+}
+
+}  // namespace aioengine

@@ -1,0 +1,80 @@
+// Quantized-weight kernels for CPU: GGML block formats (GGUF) read in place.
+//
+// A weight is a list of parts whose outputs sit side by side (fused QKV whose Q, K and V
+// are stored in different formats, say). Each part is `rows` rows of `cols` values in one
+// format, rows `row_stride` bytes apart, each row `cols / block_size` blocks of the
+// layouts of llama.cpp's ggml/src/ggml-common.h (block_q8_0, block_q4_0, block_q4_1,
+// block_q5_0, block_q5_1, block_q4_K, block_q5_K, block_q6_K), or plain F32/F16/BF16
+// values. The bytes are only read: they may be a read-only mapping of the GGUF file.
+//
+// Every kernel has three instruction-set paths compiled side by side (AVX-512, AVX2+FMA+
+// F16C, portable scalar), chosen at run time: the best the build has by default, or a
+// lower one on request so the tests can check all of them on one machine.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace aioengine {
+
+// gguf.GGMLQuantizationType values.
+enum QType : int {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The best path this build has; `requested` < 0 means the best, otherwise it is lowered to
+// what the build has (asking for AVX-512 on an AVX2 build gives AVX2).
+Isa resolve_isa(int64_t requested);
+
+// Values per block and bytes per block of a format; TORCH_CHECK-fails on an unknown one.
+int64_t block_size(int qtype);
+int64_t type_size(int qtype);
+
+struct WeightPart {
+  const uint8_t* data;
+  int64_t row_stride;  // bytes between rows
+  int qtype;
+  int64_t rows;
+};
+
+// A linear layer's weight [rows, cols] (out_features, in_features) as parts stacked by
+// rows. Holds references to the tensors so the bytes outlive the caller's.
+struct QuantLinear {
+  std::vector<WeightPart> parts;
+  std::vector<at::Tensor> tensors;
+  int64_t rows = 0, cols = 0;
+
+  // The weight is one dense fp32 part (the fp32 kernels of cpu_ops.cpp take it).
+  bool dense() const { return parts.size() == 1 && parts[0].qtype == kF32; }
+};
+
+// From tensors: a quantized part is uint8 [rows, row_bytes] (row stride free, bytes
+// contiguous within a row); an F32 part is fp32 [rows, cols]. Checks every shape.
+QuantLinear make_quant_linear(const std::vector<at::Tensor>& parts,
+                              const std::vector<int64_t>& qtypes, int64_t cols);
+
+// y[m * ldy + n] = sum_k x[m * ldx + k] * w[n, k] (+ bias[n]) for m < M, n < w.rows.
+// M <= 8 (GEMV, bound by decoding the weight): tiles of 4 weight rows dotted with 4 rows
+// of x at a time; on AVX-512 the 32-value formats (Q8_0, Q4_0/1, Q5_0/1) are decoded in
+// registers, the others into an L1 buffer first. M > 8 (GEMM): tiles of 16 rows are
+// dequantized into a thread-local buffer and a register-blocked 4x4 micro-kernel runs
+// over it, so each weight byte is dequantized once per call whatever M is. Threads split
+// the tiles (at::parallel_for).
+void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
+                       const QuantLinear& w, const float* bias, Isa isa);
+
+// Tensor entry points (bound in cpu_ops.cpp); `isa` as in resolve_isa.
+at::Tensor quant_dequantize(at::Tensor data, int64_t qtype, int64_t cols, int64_t isa);
+at::Tensor quant_linear(at::Tensor x, std::vector<at::Tensor> parts,
+                        std::vector<int64_t> qtypes, int64_t cols,
+                        c10::optional<at::Tensor> bias, int64_t isa);
+at::Tensor quant_embedding(at::Tensor ids, at::Tensor data, int64_t qtype, int64_t cols,
+                           int64_t isa);
+
+}  // namespace aioengine
