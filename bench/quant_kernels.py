@@ -13,7 +13,12 @@ kernels on the default model: the fused 30-layer stack (``cpu_ops.LlamaDecodeLay
 Q4_1 projections, 128 tokens of context each) plus the Q8_0 LM head.
 
 Usage: python bench/quant_kernels.py [--formats Q4_1,Q8_0] [--rows 1,8,32,64]
-       [--decode] [--decode-batch 32] [--min-time 0.2]
+       [--decode] [--decode-batch 1,32] [--threads N] [--clock wall|cpu] [--min-time 0.3]
+
+Times are the best of three rounds, wall-clock by default. On a machine other work
+shares, an OpenMP region waits whenever one of its threads is descheduled, and a
+descheduled thread's wall time counts too; ``--threads 1 --clock cpu`` gives the steady
+per-core cost there (the thread's own CPU time).
 Prints the CPU model and flags, then tables; writes bench/results/quant_kernels.json.
 """
 
@@ -76,16 +81,20 @@ def random_weight(qtype: QT, rows: int, cols: int, seed: int) -> QuantizedWeight
     return QuantizedWeight(torch.from_numpy(blocks.reshape(rows, -1)), qtype, (rows, cols))
 
 
+#: wall-clock by default; ``--clock cpu`` (one thread) counts only this thread's CPU time
+CLOCK = time.perf_counter
+
+
 def time_call(fn, min_time: float) -> float:
     """Seconds per call: the best of 3 rounds, each at least ``min_time / 3`` long."""
     fn()
     best = float("inf")
     for _ in range(3):
-        n, t0 = 0, time.perf_counter()
+        n, t0 = 0, CLOCK()
         while True:
             fn()
             n += 1
-            elapsed = time.perf_counter() - t0
+            elapsed = CLOCK() - t0
             if elapsed >= min_time / 3:
                 break
         best = min(best, elapsed / n)
@@ -184,13 +193,26 @@ def main() -> None:
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     parser.add_argument("--decode", action="store_true")
     parser.add_argument("--decode-batch", default="1,32")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this thread's CPU time (needs --threads 1), steady on a "
+                             "shared machine")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if torch.get_num_threads() != 1:
+            sys.exit("--clock cpu counts one thread's time: pass --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     if cpu_ops.load() is None:
         sys.exit("the C++ CPU kernels are unavailable: nothing to measure")
     model, flags = cpu_description()
     threads = torch.get_num_threads()
-    print(f"CPU: {model}; {os.cpu_count()} logical CPUs, torch threads {threads}")
+    print(f"CPU: {model}; {os.cpu_count()} logical CPUs, torch threads {threads}, "
+          f"{args.clock} clock, load average {os.getloadavg()[0]:.1f}")
     print(f"flags: {' '.join(flags)}")
     print(f"quantized kernels' path: {['scalar', 'AVX2', 'AVX-512'][cpu_ops.load().quant_isa()]}")
     ceiling = ceilings(args.min_time)
@@ -198,7 +220,8 @@ def main() -> None:
           f"memory read {ceiling['read_gbs']:.1f} GB/s")
     formats = [QT[name.strip()] for name in args.formats.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
-    report = {"cpu": model, "flags": flags, "threads": threads, "ceilings": ceiling,
+    report = {"cpu": model, "flags": flags, "threads": threads, "clock": args.clock,
+              "loadavg": os.getloadavg()[0], "ceilings": ceiling,
               "linears": bench_linears(formats, rows, args.min_time)}
     if args.decode:
         report["decode"] = bench_decode([int(b) for b in args.decode_batch.split(",")],

@@ -87,8 +87,10 @@ CHAT_BAD = [
     ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
     ("messages", [{"role": "user", "content": [{"type": "text"}]}]), ("messages", None),
     ("add_generation_prompt", "yes"), ("continue_final_message", 1),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tools", "x"),
-    ("response_format", {"type": "json_object"}), ("response_format", "json"),
+    ("tools", [{"type": "function"}]), ("tools", "x"), ("tool_choice", "always"),
+    ("tool_choice", {"type": "function", "function": {"name": "nope"}}),
+    ("response_format", {"type": "xml"}), ("response_format", "json"),
+    ("guided_regex", 5), ("guided_choice", "red"),
 ]
 COMPLETION_BAD = [
     ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("logprobs", "1"),
@@ -239,6 +241,33 @@ def test_every_endpoint_but_health_needs_the_key(server, method, path, body):
     r = httpx.request(method, url, json=body, timeout=120,
                       headers={"Authorization": f"bearer  {server.api_key}"})
     assert r.status_code == (404 if path == "/v1/nope" else 200), r.text
+
+
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/chat/completion", "/nope", "/v1/"])
+def test_unknown_route_is_an_openai_404_for_every_method(http, method, path):
+    """Regression: the chat page's catch-all mount answered 405 to a POST (or any
+    method but GET) on an unknown path, so ``POST /v1/embeddings`` looked like a
+    known route."""
+    r = http.request(method, path, json={"input": "Hi"} if method in ("POST", "PUT") else None)
+    assert r.status_code == 404, r.text
+    if method != "HEAD":  # no body by definition
+        error = assert_openai_error(r, 404, None)
+        assert error["code"] == "unknown_route"
+        assert method in error["message"] and path in error["message"]
+
+
+@pytest.mark.parametrize("method,path,allowed", [
+    ("GET", CHAT, "POST"), ("PUT", COMPLETIONS, "POST"), ("DELETE", "/v1/models", "GET, HEAD"),
+    ("POST", "/health", "GET, HEAD"), ("GET", "/tokenize", "POST")])
+def test_wrong_method_on_a_known_route_is_an_openai_405(http, method, path, allowed):
+    r = http.request(method, path)
+    error = assert_openai_error(r, 405, None)
+    assert error["code"] == "method_not_allowed"
+    assert r.headers["allow"] == allowed
 
 
 def test_bearer_token_parsing():

@@ -9,7 +9,7 @@
   the cache is refused before anything is written.
 - With quantized projections (every format family, QKV as parts of mixed formats, dense
   parts beside quantized ones) ``LlamaDecodeLayers`` must give the Python forward's result
-  on the dequantized weights, on both sides of the GEMV/GEMM switch (1, 5, 20 sequences).
+  on the dequantized weights, on both sides of the GEMV/GEMM switch at 8 rows (1, 5, 20 sequences).
 - Through the engine, greedy tokens on small random Llama, Qwen2 and Mistral models must
   equal HF transformers' (near-tie rule), with the fused path counted as taken.
 """

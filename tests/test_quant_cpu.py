@@ -161,8 +161,9 @@ LINEAR_ROWS = [1, 2, 3, 4, 5, 8, 17, 32, 64]
 def test_kernel_linear_equals_f_linear_on_the_dequantized_weight(qtype, isa):
     ops = cpu_ops.load()
     g = torch.Generator().manual_seed(int(qtype))
-    shapes = [(1, 1), (37, 2), (70, 1)] if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else \
-        [(1, 1), (37, 5), (70, 18)]
+    # N = 37, 39, 70: 4-row tiles with 1, 3, 2 rows left over
+    shapes = [(1, 1), (37, 2), (39, 1), (70, 1)] if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else \
+        [(1, 1), (37, 5), (39, 2), (70, 18)]
     for n, blocks in shapes:
         k = block_cols(qtype, blocks) + (3 if qtype in (QT.F16, QT.BF16) else 0)
         data = torch.from_numpy(random_weight(qtype, n, k, seed=n + blocks))

@@ -146,7 +146,7 @@ def _shape(w: Weight) -> tuple[int, int]:
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``.
 
-    fp32 CPU activations with CPU weights go to the C++ kernels (GEMV up to 4 rows, a
+    fp32 CPU activations with CPU weights go to the C++ kernels (GEMV up to 8 rows, a
     tile-buffered GEMM above; ``csrc/quant_ops.h``), CUDA ones to
     ``quant_triton.dequant_matmul``; anything else (other dtypes, activations that need
     gradients, no C++ build) dequantizes with ``quant_reference`` and calls ``F.linear``.

@@ -21,8 +21,10 @@ from aioengine.config import EngineConfig
 from aioengine.engine.core import EngineCore, EngineStats
 from aioengine.engine.executor import WorkerDiedError, make_executor, make_standby_executor
 from aioengine.ipc.messages import SchedulerOutput
-from aioengine.models.loader import load_tokenizer, model_display_name
+from aioengine.models.loader import ModelInfo, inspect_model, load_tokenizer, model_display_name
 from aioengine.sampling_params import RequestOutput, SamplingParams
+from aioengine.structured.manager import StructuredOutputManager
+from aioengine.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class AsyncEngine:
         self.served_model_name = config.model.served_model_name or model_display_name(
             self.model_path)
         self.tokenizer = None
+        self.model_info: ModelInfo | None = None
         self.executor = None
         self.core: EngineCore | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -124,11 +127,17 @@ class AsyncEngine:
         self.latency_observer: LatencyObserver | None = None
         self._retired_stats = dict.fromkeys(_CUMULATIVE_STATS, 0)
         self._retired_max_reqs_in_step = 0
+        self.structured_output_manager: StructuredOutputManager | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
         """Load the tokenizer and start the worker (in threads: the loop stays free)."""
         self = cls(config)
+        # From metadata alone, before any worker starts: a bad file fails here, in one line.
+        m = config.model
+        self.model_info = await asyncio.to_thread(inspect_model, self.model_path, m.quantization,
+                                                  m.dtype)
+        logger.info("model %s: %s", self.model_path, self.model_info.describe())
         # Importing transformers from two threads at once can fail half-way
         # (``cannot import name 'AutoConfig'``): import it once here first.
         await asyncio.to_thread(importlib.import_module, "transformers")
@@ -146,8 +155,11 @@ class AsyncEngine:
                 self._retired_stats[name] += getattr(old, name)
             self._retired_max_reqs_in_step = max(self._retired_max_reqs_in_step,
                                                  old.max_reqs_in_step)
+        if self.structured_output_manager is None:
+            self.structured_output_manager = StructuredOutputManager(
+                self.tokenizer, len(self.tokenizer), self.tokenizer.eos_token_id)
         self.core = EngineCore(self.config, self.tokenizer, self.executor.num_blocks,
-                               self.executor.max_model_len)
+                               self.executor.max_model_len, self.structured_output_manager)
         self._watch_worker()
         self._step_task = asyncio.get_running_loop().create_task(self._step_loop())
         self.healthy = True
@@ -291,22 +303,35 @@ class AsyncEngine:
         if self.core is not None:
             self.core.abort_request(request_id)
 
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a constraint in the grammar thread (cached), so the request
+        that uses it is scheduled without waiting and a bad one is refused
+        before it is queued.
+
+        Raises:
+            GrammarError: the grammar library cannot compile it.
+        """
+        assert self.structured_output_manager is not None
+        await self.structured_output_manager.compile_async(params)
+
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < 2048:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self.tokenizer.encode, text,
                                        add_special_tokens=add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
-                                  ) -> list[int]:
-        """Token ids of a conversation under the model's own chat template.
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation under the model's own chat template
+        (``tools``: OpenAI tool entries, for a template that renders them).
 
         Raises:
             ValueError: the template rejects the messages.
         """
         def render() -> list[int]:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                tools=tools)
             return self.tokenizer.encode(text, add_special_tokens=False)
 
         try:
@@ -367,6 +392,11 @@ class AsyncEngine:
             t0 = time.perf_counter()
             so = core.schedule()
             if so.num_reqs == 0 and not so.finished_req_ids:
+                pending = core.pending_grammars()
+                if pending:  # only requests whose grammar still compiles: wait for one
+                    await asyncio.wait([asyncio.wrap_future(f) for f in pending],
+                                       timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 # Nothing fits right now (should not happen with a valid cache size).
                 await asyncio.sleep(0)
                 continue
@@ -448,3 +478,5 @@ class AsyncEngine:
         standby = await self._take_standby()
         if standby is not None:
             await asyncio.to_thread(standby.shutdown)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()

@@ -56,7 +56,6 @@ from aioengine.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
-    ChatResponseMessage,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -66,6 +65,7 @@ from aioengine.entrypoints.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ModelQuantization,
     TokenizeRequest,
     TokenizeResponse,
     make_usage,
@@ -324,6 +324,7 @@ async def chat_completions(request: Request) -> Response:
     req.check_supported()
     prompt_ids = await serving.chat_prompt(req)
     params = serving.sampling_params(req, len(prompt_ids))
+    await serving.prepare_structured_outputs(req, params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = RequestGroup(serving)
     try:
@@ -357,9 +358,10 @@ async def _chat_full(serving: OpenAIServing, req: ChatCompletionRequest, request
         if req.logprobs and c.logprobs is not None:
             logprobs = ChatChoiceLogprobs(content=serving.chat_logprobs(
                 c.token_ids, c.logprobs, req.top_logprobs or 0))
+        message, finish_reason = serving.chat_message(req, c)
         choices.append(ChatCompletionChoice(
-            index=index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            index=index, message=message, logprobs=logprobs,
+            finish_reason=finish_reason, stop_reason=c.stop_reason))
     completion_tokens = sum(len(c.token_ids) for c in final.values())
     body = ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices,
                                   usage=make_usage(prompt_len, completion_tokens, cached))
@@ -379,6 +381,9 @@ async def _chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, reque
                                                 delta={"role": "assistant", "content": ""})])
     num_tokens: dict[int, int] = {}
     cached = 0
+    # With tools, each choice's text goes through its tool-call parser: content
+    # deltas, then delta.tool_calls (id and name once, then argument fragments).
+    streamers = {index: serving.tool_call_streamer(req) for index in range(n)}
     try:
         async for _, out in group:
             cached = out.num_cached_tokens
@@ -391,9 +396,20 @@ async def _chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, reque
                     ids, entries = _delta_logprobs(c)
                     logprobs = ChatChoiceLogprobs(content=serving.chat_logprobs(
                         ids, entries, req.top_logprobs or 0))
+                delta: dict[str, Any] = {"content": c.delta_text}
+                finish_reason = c.finish_reason
+                streamer = streamers[c.index]
+                if streamer is not None:
+                    content, calls = (streamer.finish(c.text) if c.finish_reason
+                                      else streamer.update(c.text))
+                    delta = {"content": content} if content or not calls else {}
+                    if calls:
+                        delta["tool_calls"] = calls
+                    if finish_reason == "stop" and streamer.tool_calls:
+                        finish_reason = "tool_calls"
                 yield chunk([ChatCompletionStreamChoice(
-                    index=c.index, delta={"content": c.delta_text}, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    index=c.index, delta=delta, logprobs=logprobs,
+                    finish_reason=finish_reason, stop_reason=c.stop_reason)])
     except EngineDeadError as exc:
         yield _sse(APIError(503, str(exc), None, "engine_unavailable").body())
         yield _SSE_DONE
@@ -414,6 +430,7 @@ async def completions(request: Request) -> Response:
     prompts = await serving.completion_prompts(req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     plan = [(ids, text, serving.sampling_params(req, len(ids))) for ids, text in prompts]
+    await serving.prepare_structured_outputs(req, plan[0][2])
     group = RequestGroup(serving)
     try:
         _admit(request, group, req.model, sum(len(ids) for ids, _, _ in plan))
@@ -511,9 +528,13 @@ async def _completion_stream(serving: OpenAIServing, req: CompletionRequest, req
 
 async def list_models(request: Request) -> Response:
     serving = _serving(request)
+    info = serving.engine.model_info
+    quantization = None if info is None else ModelQuantization(
+        method=info.quantization, weight_formats=info.weight_formats)
     body = ModelList(data=[ModelCard(id=serving.model_name, root=serving.engine.model_path,
                                      max_model_len=serving.max_model_len,
-                                     created=int(serving.engine.started_at))])
+                                     created=int(serving.engine.started_at),
+                                     quantization=quantization)])
     return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -627,7 +648,8 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
               allowed_origins: list[str] | None = None,
               api_keys: list[APIKeySpec] | None = None,
               quota_window_s: float = WINDOW_S,
-              limits: ConnectionLimits | None = None) -> Starlette:
+              limits: ConnectionLimits | None = None,
+              tool_call_parser: str = "auto") -> Starlette:
     """The Starlette app; its lifespan starts and stops the engine (then
     ``app.state.serving`` is the ``OpenAIServing`` and ``app.state.load_time``
     the engine's load time in seconds; if the start fails, the exception is
@@ -654,6 +676,8 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
         limits: connection limits (``limits.ConnectionLimits``; docs/limits.md);
             the app applies the body timeout and the WebSocket frame rate, the
             uvicorn config the others.
+        tool_call_parser: the model's tool-call format (``tools/parsers.py``),
+            ``auto`` to pick it from the chat template.
     """
     from aioengine.engine.async_engine import AsyncEngine
     from aioengine.entrypoints.metrics import EngineMetrics
@@ -671,7 +695,7 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
             app.state.startup_error = exc
             logger.debug("the engine failed to start", exc_info=True)
             raise
-        app.state.serving = OpenAIServing(engine)
+        app.state.serving = OpenAIServing(engine, tool_call_parser)
         app.state.metrics = EngineMetrics(engine, app.state.quotas)
         app.state.load_time = time.perf_counter() - t0
         try:

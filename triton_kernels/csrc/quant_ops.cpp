@@ -24,6 +24,17 @@ namespace {
 
 constexpr int64_t QK = 32;    // values per block of the legacy formats
 constexpr int64_t QK_K = 256;  // values per K-quant super-block
+// Up to this many rows of x a tile is 4 weight rows (decoded in registers where the
+// format allows, once per 4 rows of x); above it, 16 rows dequantized once into a buffer.
+constexpr int64_t kGemvMaxRows = 8;
+// How many tiles ahead a thread prefetches its weight bytes.
+constexpr int64_t kPrefetchTiles = 4;
+
+inline void prefetch(const uint8_t* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -588,6 +599,120 @@ void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_
     for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
+
+// -- fused GEMV for the 32-value formats: blocks decoded in registers, never stored --------
+// At decode (M <= 4) the linear is bound by decoding the weight; writing the values to a
+// buffer and reading them back costs a third of the work. Here each block of a row
+// becomes two vectors that go straight into the dot products. A 4-bit (5-bit) block is
+// decoded with a 16 (32) entry table of its values, d * q (+ m) for every q, and one
+// vpermps (vpermt2ps) per 16 values, which picks table entries by the low 4 (5) bits of
+// each lane: no integer-to-float conversion, no masking.
+
+inline __m512 iota16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+template <int QT>
+inline void block32(const uint8_t* b, __m512* lo, __m512* hi);
+
+template <>
+inline void block32<kQ8_0>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 d = h2v(b);
+  *lo = _mm512_mul_ps(cvt(i8x16(b + 2)), d);
+  *hi = _mm512_mul_ps(cvt(i8x16(b + 18)), d);
+}
+
+template <>
+inline void block32<kQ4_0>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 table = _mm512_mul_ps(h2v(b), _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f)));
+  const __m512i v = u8x16(b + 2);
+  *lo = _mm512_permutexvar_ps(v, table);
+  *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+
+template <>
+inline void block32<kQ4_1>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 table = _mm512_fmadd_ps(iota16(), h2v(b), h2v(b + 2));
+  const __m512i v = u8x16(b + 4);
+  *lo = _mm512_permutexvar_ps(v, table);
+  *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+
+// 5-bit indices of a Q5 block: nibble | fifth bit << 4.
+inline void q5_index(const uint8_t* qs, uint32_t qh, __m512i* lo, __m512i* hi) {
+  q5_values(qs, qh, lo, hi);
+}
+
+template <>
+inline void block32<kQ5_0>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 d = h2v(b), iota = iota16();
+  const __m512 t0 = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.f)));
+  const __m512 t1 = _mm512_mul_ps(d, iota);
+  __m512i il, ih;
+  q5_index(b + 6, load_u32(b + 2), &il, &ih);
+  *lo = _mm512_permutex2var_ps(t0, il, t1);
+  *hi = _mm512_permutex2var_ps(t0, ih, t1);
+}
+
+template <>
+inline void block32<kQ5_1>(const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 d = h2v(b), m = h2v(b + 2), iota = iota16();
+  const __m512 t0 = _mm512_fmadd_ps(iota, d, m);
+  const __m512 t1 = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), d, m);
+  __m512i il, ih;
+  q5_index(b + 8, load_u32(b + 4), &il, &ih);
+  *lo = _mm512_permutex2var_ps(t0, il, t1);
+  *hi = _mm512_permutex2var_ps(t0, ih, t1);
+}
+
+// y[m * ldy + r] = dot(x[m], row r) for m < M, r < R; rows of `blocks` blocks of TS bytes.
+template <int QT, int TS, int M, int R>
+void gemv_tile(const uint8_t* w, int64_t row_stride, int64_t blocks, const float* x,
+               int64_t ldx, float* y, int64_t ldy) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < blocks; ++i) {
+    __m512 xl[M], xh[M];
+    for (int m = 0; m < M; ++m) {
+      xl[m] = _mm512_loadu_ps(x + m * ldx + 32 * i);
+      xh[m] = _mm512_loadu_ps(x + m * ldx + 32 * i + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 lo, hi;
+      block32<QT>(w + r * row_stride + i * TS, &lo, &hi);
+      for (int m = 0; m < M; ++m)
+        acc[m][r] = _mm512_fmadd_ps(hi, xh[m], _mm512_fmadd_ps(lo, xl[m], acc[m][r]));
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+using Gemv = void (*)(const uint8_t*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+
+template <int QT, int TS>
+Gemv gemv_for(int M, int R) {
+  static const Gemv table[4][4] = {
+      {gemv_tile<QT, TS, 1, 1>, gemv_tile<QT, TS, 1, 2>, gemv_tile<QT, TS, 1, 3>, gemv_tile<QT, TS, 1, 4>},
+      {gemv_tile<QT, TS, 2, 1>, gemv_tile<QT, TS, 2, 2>, gemv_tile<QT, TS, 2, 3>, gemv_tile<QT, TS, 2, 4>},
+      {gemv_tile<QT, TS, 3, 1>, gemv_tile<QT, TS, 3, 2>, gemv_tile<QT, TS, 3, 3>, gemv_tile<QT, TS, 3, 4>},
+      {gemv_tile<QT, TS, 4, 1>, gemv_tile<QT, TS, 4, 2>, gemv_tile<QT, TS, 4, 3>, gemv_tile<QT, TS, 4, 4>}};
+  return table[M - 1][R - 1];
+}
+
+// The fused kernel for a format and tile, or nullptr (K-quants, F16/BF16: buffered path).
+Gemv gemv(int qtype, int M, int R) {
+  switch (qtype) {
+    case kQ8_0: return gemv_for<kQ8_0, 34>(M, R);
+    case kQ4_0: return gemv_for<kQ4_0, 18>(M, R);
+    case kQ4_1: return gemv_for<kQ4_1, 20>(M, R);
+    case kQ5_0: return gemv_for<kQ5_0, 22>(M, R);
+    case kQ5_1: return gemv_for<kQ5_1, 24>(M, R);
+    default: return nullptr;
+  }
+}
+
 }  // namespace avx512
 #endif
 
@@ -730,15 +855,23 @@ QuantLinear make_quant_linear(const std::vector<at::Tensor>& parts,
 void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
                        const QuantLinear& w, const float* bias, Isa isa) {
   const int64_t K = w.cols;
-  // Tile height: at decode (M <= 4) 4 rows keep the buffer in L1 and give the threads
-  // many tiles; for batches 16 rows are dequantized once for up to 64+ rows of x.
-  const int64_t T = M <= 4 ? 4 : 16;
+  // Tile height: at decode 4 rows keep the buffer in L1 and give the threads many tiles;
+  // for batches 16 rows are dequantized once for up to 64+ rows of x.
+  const int64_t T = M <= kGemvMaxRows ? 4 : 16;
   std::vector<int64_t> first_tile(w.parts.size() + 1, 0), first_row(w.parts.size(), 0);
   std::vector<RowDequant> dequant(w.parts.size());
+  std::vector<int64_t> row_bytes(w.parts.size());
+  // Parts decoded in registers (AVX-512 GEMV for the 32-value formats) or through the buffer.
+  std::vector<char> fused(w.parts.size(), 0);
   for (size_t p = 0; p < w.parts.size(); ++p) {
+#if defined(AIOENGINE_HAVE_AVX512)
+    fused[p] = isa == Isa::kAvx512 && M <= kGemvMaxRows &&
+               avx512::gemv(w.parts[p].qtype, 1, 1) != nullptr;
+#endif
     first_tile[p + 1] = first_tile[p] + (w.parts[p].rows + T - 1) / T;
     if (p > 0) first_row[p] = first_row[p - 1] + w.parts[p - 1].rows;
     dequant[p] = row_dequant(w.parts[p].qtype, isa);
+    row_bytes[p] = K / block_size(w.parts[p].qtype) * type_size(w.parts[p].qtype);
   }
   at::parallel_for(0, first_tile.back(), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buffer;
@@ -749,9 +882,31 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
       while (t >= first_tile[p + 1]) ++p;
       const WeightPart& part = w.parts[p];
       const int64_t r0 = (t - first_tile[p]) * T, rows = std::min(T, part.rows - r0);
+      const int64_t n0 = first_row[p] + r0;
+      // At decode the weight streams from DRAM once per step: ask for a tile a few tiles
+      // ahead, so the misses of one thread overlap instead of queueing behind its compute.
+      if (t + kPrefetchTiles < end && t + kPrefetchTiles < first_tile[p + 1]) {
+        const int64_t ahead = r0 + kPrefetchTiles * T;
+        const int64_t stop = std::min(part.rows, ahead + T);
+        for (int64_t r = ahead; r < stop; ++r)
+          for (int64_t off = 0; off < row_bytes[p]; off += 64)
+            prefetch(part.data + r * part.row_stride + off);
+      }
+#if defined(AIOENGINE_HAVE_AVX512)
+      if (fused[p]) {
+        const int R = static_cast<int>(rows);
+        for (int64_t m0 = 0; m0 < M; m0 += 4)  // up to 8 rows: decoding twice beats the buffer
+          avx512::gemv(part.qtype, static_cast<int>(std::min<int64_t>(4, M - m0)), R)(
+              part.data + r0 * part.row_stride, part.row_stride, K / QK, x + m0 * ldx, ldx,
+              y + m0 * ldy + n0, ldy);
+        if (bias != nullptr)
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] += bias[n0 + r];
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < rows; ++r)
         dequant[p](part.data + (r0 + r) * part.row_stride, K, buf + r * K);
-      const int64_t n0 = first_row[p] + r0;
       for (int64_t rr = 0; rr < rows; rr += 4) {
         const int R = static_cast<int>(std::min<int64_t>(4, rows - rr));
         for (int64_t m0 = 0; m0 < M; m0 += 4) {

@@ -60,9 +60,11 @@ QuantLinear make_quant_linear(const std::vector<at::Tensor>& parts,
                               const std::vector<int64_t>& qtypes, int64_t cols);
 
 // y[m * ldy + n] = sum_k x[m * ldx + k] * w[n, k] (+ bias[n]) for m < M, n < w.rows.
-// M <= 4: each tile of 4 weight rows is dequantized into an L1 buffer and dotted with
-// every row of x at once (GEMV, bound by reading the weight); M > 4: tiles of 16 rows,
-// so each weight byte is dequantized once per call whatever M is (GEMM). Threads split
+// M <= 8 (GEMV, bound by decoding the weight): tiles of 4 weight rows dotted with 4 rows
+// of x at a time; on AVX-512 the 32-value formats (Q8_0, Q4_0/1, Q5_0/1) are decoded in
+// registers, the others into an L1 buffer first. M > 8 (GEMM): tiles of 16 rows are
+// dequantized into a thread-local buffer and a register-blocked 4x4 micro-kernel runs
+// over it, so each weight byte is dequantized once per call whatever M is. Threads split
 // the tiles (at::parallel_for).
 void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
                        const QuantLinear& w, const float* bias, Isa isa);
