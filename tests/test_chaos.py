@@ -309,13 +309,26 @@ async def killer(server: ServerInfo, http: httpx.AsyncClient, stop: asyncio.Even
                     pass
                 assert time.monotonic() - t_kill < 120, "the worker did not come back"
             kills.append((t_kill, time.monotonic() - t_kill))
-            await asyncio.sleep(rng.uniform(1.0, 3.0))  # serve a while between kills
+            await asyncio.sleep(rng.uniform(4.0, 7.0))  # serve a while between kills
     finally:
         stop.set()
 
 
 def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def fd_kinds(pid: int) -> dict[str, int]:
+    """Open fds by kind (socket, pipe, anon_inode:..., or the file), for reports."""
+    kinds: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        kind = target.split(":[")[0] if ":[" in target else target
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
 
 
 def semaphores(pid: int) -> set[str]:
@@ -361,7 +374,22 @@ def test_chaos_kills_under_streaming_load(cserver):
     pid = cserver.process.pid
     assert wait_until(lambda: len(worker_processes(pid)) == 2, timeout=60)
     sems_before = semaphores(pid)
-    fds_before = fds(pid)
+    # One request each way first, so what the first requests open for good
+    # (thread pools, lazily imported modules' files) is in the baseline.
+    warm = Record(-1, "sse", TOPICS[0], 4, True, 1, None)
+
+    async def warm_up() -> None:
+        async with httpx.AsyncClient(base_url=cserver.base_url, headers=cserver.headers,
+                                     timeout=60) as http:
+            await sse_chat(http, warm)
+        ws = WSClient(cserver.ws_url_with_key)
+        await ws.connect()
+        await ws.request(Record(-1, "ws", TOPICS[0], 4, True, 1, None), "warm")
+        await ws.close()
+
+    asyncio.run(warm_up())
+    time.sleep(1.0)
+    fds_before, kinds_before = fds(pid), fd_kinds(pid)
     segments_before = shm_segments(pid)
     records: list[Record] = []
     ws_problems: list[str] = []
@@ -431,12 +459,13 @@ def test_chaos_kills_under_streaming_load(cserver):
     segments = shm_segments(pid)
     assert len(segments) == 4 and not segments & segments_before, (segments, segments_before)
     assert semaphores(pid) <= sems_before, semaphores(pid) - sems_before
-    assert wait_until(lambda: fds(pid) == fds_before, timeout=30), (fds(pid), fds_before)
+    assert wait_until(lambda: fds(pid) <= fds_before, timeout=30), (
+        fds(pid), fds_before, fd_kinds(pid), kinds_before)
 
     times = [took for _, took in kills]
     print(f"chaos outcomes {outcomes} of {len(records)} requests; {num_greedy} greedy "
           f"completions matched the fault-free run ({len(near_ties)} near-ties: "
-          f"{near_ties}); fds {fds_before} -> {fds(pid)}")
+          f"{near_ties}); server fds {fds_before} -> {fds(pid)} {fd_kinds(pid)}")
     print(f"recovery after each kill (SIGKILL to /health 200): "
           f"{[round(t, 2) for t in times]} s; median {statistics.median(times):.2f} s, "
           f"max {max(times):.2f} s")
