@@ -77,10 +77,12 @@ def worker_processes(server_pid: int) -> list[int]:
     kids = []
     for kid in _children(server_pid):
         try:
-            if Path(f"/proc/{kid}/comm").read_text().startswith("aioengine-") and pid_alive(kid):
-                kids.append(kid)
+            # By command line: a standby still starting has no name of its own yet.
+            cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
         except OSError:
             continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline and pid_alive(kid):
+            kids.append(kid)
     return kids
 
 

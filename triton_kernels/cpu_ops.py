@@ -8,6 +8,8 @@ shared home directory never serves one CPU another's build, and two virtual
 environments on one machine stop rebuilding each other's. The fast path covers fp32
 activations with fp32 or GGML-quantized weights (``quant.py``); bf16/fp16 keep the
 torch path. Set ``AIOENGINE_CPU_KERNELS=0`` to use the torch implementations throughout.
+``AIOENGINE_CPU_KERNELS_BUILD=0`` imports an existing build only, never compiling (every
+model worker after the first runs so).
 
 ``load()`` returns the module, or None when the kernels are switched off or the
 build fails (no compiler, say); the reason is logged once and callers fall back

@@ -67,6 +67,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=0,
                    help="torch threads in each worker (0: torch's default; with several "
                         "workers, the cores divided among them)")
+    g.add_argument("--no-standby-worker", dest="standby_worker", action="store_false",
+                   help="keep no spare worker process (about 250 MB); a crashed worker is then "
+                        "replaced by a fresh process in seconds rather than under one")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many worker processes "
                         "(torch.distributed; default: %(default)s)")
@@ -88,6 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         # generate runs in this process unless the model is split over workers.
         "executor": args.executor or ("process" if args.tensor_parallel_size > 1 else "inproc"),
         "num_threads": args.num_threads, "tensor_parallel_size": args.tensor_parallel_size,
+        "standby_worker": args.standby_worker,
     }
 
 
