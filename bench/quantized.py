@@ -8,22 +8,28 @@ sending ``--requests-per-stream`` requests back to back, ``--prompt-len``
 the metrics are bench/serving.py's (``run_load``, ``sse_request``): TTFT,
 ITL, TPOT and output tokens/s as the client sees them.
 
-Measured, in this order (never two processes of the benchmark on the cores
-at once):
+Measured, in this order:
 
 1. Batch-1 decode, ours: the offline ``LLM`` (worker subprocess), tokens/s
    after the first token, as bench/throughput.py measures it. This also
    builds the C++ kernels if they are not built yet, so the server start
    below measures a start "after the kernels are built".
-2. ``aioengine serve``: command to ``GET /health`` 200 (polled every 50 ms),
-   the load at each concurrency, the RSS of the worker subprocess and of
-   the server process (psutil), and a killed worker's time to serve again
+2. ``aioengine serve``, then ``llama-server -t T -tb T -np N -c N x (prompt +
+   output + 32)`` (``N``: the highest concurrency), each started alone: command
+   to ``GET /health`` 200, polled every 50 ms.
+3. The streaming load with both up, interleaved: at each concurrency ours,
+   then llama-server, so each ratio is measured back to back (this machine's
+   load drifts; an idle server sleeps).
+4. RSS (and PSS) of our worker subprocess, of our server process and of
+   llama-server (psutil); then a killed worker's time to serve again
    (SIGKILL, then a 1-token request every 50 ms until one succeeds).
-3. ``llama-server -t T -tb T -np N -c N x (prompt + output + 32)``: the same
-   start time, load and RSS. ``N`` is the highest concurrency.
-4. Batch-1 decode, llama.cpp: ``llama-bench -p 0 -n MAX_TOKENS -d PROMPT_LEN
+5. Batch-1 decode, llama.cpp: ``llama-bench -p 0 -n MAX_TOKENS -d PROMPT_LEN
    -t T`` (pure decode after a prompt of our length; also at depth 0), or,
    without llama-bench, llama-server's 1-stream TPOT.
+
+llama.cpp runs with the ``GOMP_SPINCOUNT`` our worker sets
+(``--llama-gomp-spincount``): with libgomp's default spin, either engine
+slows several-fold whenever another process wants the cores.
 
 The CPU model and its SIMD flags are printed first and stored with the
 figures. Ratios are ours / llama.cpp for throughput and llama.cpp / ours for
@@ -45,6 +51,7 @@ bench/results/quantized_vs_llama_cpp.png (``--plot-dir``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -145,6 +152,7 @@ class TimedServer(BenchServer):
     (``ready_s``). Stopped like ``BenchServer`` (SIGTERM, then SIGKILL)."""
 
     name = "server"
+    env_overrides: dict[str, str] = {}  # noqa: RUF012 - replaced per instance, never mutated
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -154,6 +162,7 @@ class TimedServer(BenchServer):
 
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env.update(self.env_overrides)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with open(self.log_path, "wb") as log:
@@ -193,12 +202,30 @@ class LlamaServer(TimedServer):
     name = "llama-server"
 
     def __init__(self, binary: Path, args: Sequence[str], log_path: str | Path,
-                 start_timeout_s: float = 300.0) -> None:
+                 start_timeout_s: float = 300.0, env_overrides: dict[str, str] | None = None
+                 ) -> None:
         super().__init__(args, log_path, start_timeout_s)
         self.binary = binary
+        self.env_overrides = dict(env_overrides or {})
 
     def command(self) -> list[str]:
         return [str(self.binary), "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+
+
+def llama_env(args: argparse.Namespace) -> dict[str, str]:
+    """llama-server's OpenMP spin setting. ``ours`` (the default): the
+    ``GOMP_SPINCOUNT`` our worker runs with, so both engines wait alike on a
+    busy machine (libgomp's default spin, 300,000 iterations, costs either
+    engine several-fold once another process wants the cores; bench/README.md,
+    throughput). ``unset``: libgomp's default. A number: that count. A
+    ``GOMP_SPINCOUNT`` already in the environment reaches both and wins."""
+    from aioengine.worker.worker import DEFAULT_GOMP_SPINCOUNT
+
+    if "GOMP_SPINCOUNT" in os.environ or args.llama_gomp_spincount == "unset":
+        return {}
+    if args.llama_gomp_spincount == "ours":
+        return {"GOMP_SPINCOUNT": DEFAULT_GOMP_SPINCOUNT}
+    return {"GOMP_SPINCOUNT": str(int(args.llama_gomp_spincount))}
 
 
 def worker_pids(server_pid: int) -> list[int]:
@@ -258,75 +285,98 @@ def time_to_serve_again(base_url: str, worker_pid: int, prompt: list[int],
 # -- the load --------------------------------------------------------------------------------
 
 
-async def streaming_sweep(base_url: str, concurrencies: Sequence[int], args: argparse.Namespace,
-                          vocab_size: int, label: str) -> list[dict]:
-    """At each concurrency ``c``: one warm-up request, then ``c`` clients
-    sending ``requests_per_stream`` requests each (bench/serving.py's
-    ``run_load``, SSE, ``/v1/completions``), bounded by ``--time-limit``.
-    Both servers get the same token ids (seeded by ``c``)."""
+async def streaming_sweep(servers: Sequence[TimedServer], concurrencies: Sequence[int],
+                          args: argparse.Namespace, vocab_size: int, load: LoadTracker
+                          ) -> dict[str, list[dict]]:
+    """At each concurrency ``c``, each server in turn (so a ratio is measured
+    back to back and the machine's load drifts less between its two sides):
+    one warm-up request, then ``c`` clients sending ``requests_per_stream``
+    requests each (bench/serving.py's ``run_load``, SSE, ``/v1/completions``),
+    bounded by ``--time-limit``. Both servers get the same token ids (seeded
+    by ``c``). Returns each server's runs by its ``name``."""
     import httpx
 
     from bench.serving import Endpoint, make_sender, run_load
 
-    endpoint = Endpoint(base_url)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    runs = []
+    runs: dict[str, list[dict]] = {server.name: [] for server in servers}
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.time_limit + 60),
                                  limits=limits) as client:
-        send = make_sender("sse", endpoint, False, client)
         for c in concurrencies:
             requests = synthetic_workload(c * args.requests_per_stream,
                                           (args.prompt_len, args.prompt_len),
                                           (args.max_tokens, args.max_tokens), vocab_size,
                                           args.seed + c)
-            warm = await send(BenchRequest(requests[0].prompt_token_ids, 2))
-            if not warm.ok:
-                raise RuntimeError(f"{label}: warm-up request failed: {warm.error}")
-            res = await run_load(send, requests, max_concurrency=c, time_limit_s=args.time_limit,
-                                 seed=args.seed, desc=f"{label} c={c}",
-                                 progress=not args.no_progress)
-            res["concurrency"] = c
-            res["workload"] = workload_summary(requests)
-            runs.append(res)
-            streams = f"{c} stream" + ("s" if c > 1 else "")
-            print(f"  {label:<16} {streams:>11}: {res['completed']:>3}/{res['num_requests']} ok, "
-                  f"{res['output_throughput']:7.1f} output tok/s, TTFT p50 "
-                  f"{res['ttft']['p50_ms']:7.0f} ms, ITL p50 {res['itl']['p50_ms']:6.1f} ms",
-                  flush=True)
+            for server in servers:
+                send = make_sender("sse", Endpoint(server.base_url), False, client)
+                warm = await send(BenchRequest(requests[0].prompt_token_ids, 2))
+                if not warm.ok:
+                    raise RuntimeError(f"{server.name}: warm-up request failed: {warm.error}")
+                res = await run_load(send, requests, max_concurrency=c,
+                                     time_limit_s=args.time_limit, seed=args.seed,
+                                     desc=f"{server.name} c={c}", progress=not args.no_progress)
+                res["concurrency"] = c
+                res["workload"] = workload_summary(requests)
+                res["loadavg_1m"] = load.sample()[0]
+                runs[server.name].append(res)
+                streams = f"{c} stream" + ("s" if c > 1 else "")
+                print(f"  {server.name:<16} {streams:>11}: {res['completed']:>3}/"
+                      f"{res['num_requests']} ok, {res['output_throughput']:7.1f} output tok/s, "
+                      f"TTFT p50 {res['ttft']['p50_ms']:7.0f} ms, ITL p50 "
+                      f"{res['itl']['p50_ms']:6.1f} ms, load {res['loadavg_1m']:.2f}", flush=True)
     return runs
 
 
-def measure_server(server: TimedServer, args: argparse.Namespace, concurrencies: Sequence[int],
-                   vocab_size: int, load: LoadTracker, restart_prompt: list[int] | None) -> dict:
-    """Start time, the streaming sweep and memory of one server (entered here);
-    with ``restart_prompt``, also a killed worker's time to serve again."""
+def started(server: TimedServer) -> dict:
+    """What a started server reports: its command, log, start time and models."""
     import httpx
+
+    out: dict = {"command": server.command(), "log": str(server.log_path),
+                 "ready_s": round(server.ready_s, 3)}
+    print(f"{server.name}: /health 200 after {server.ready_s:.2f} s", flush=True)
+    try:
+        out["models"] = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        pass
+    return out
+
+
+def measure_servers(ours: AioengineServer, theirs: LlamaServer | None,
+                    args: argparse.Namespace, concurrencies: Sequence[int], vocab_size: int,
+                    load: LoadTracker, restart_prompt: list[int]) -> tuple[dict, dict | None]:
+    """Start each server alone (timed), run the interleaved sweep with both up
+    (an idle server sleeps: our worker on its doorbell, llama-server's slots on
+    a condition variable), then memory, then a killed worker's time to serve
+    our server again. Returns ours and theirs (``None`` without llama-server)."""
     import uvloop
 
-    with server:
-        out: dict = {"command": server.command(), "log": str(server.log_path),
-                     "ready_s": round(server.ready_s, 3)}
-        print(f"{server.name}: /health 200 after {server.ready_s:.2f} s", flush=True)
-        try:
-            out["models"] = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()
-        except (httpx.HTTPError, ValueError):
-            pass
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ours)
+        out_ours = started(ours)
+        servers: list[TimedServer] = [ours]
+        out_theirs = None
+        if theirs is not None:
+            stack.enter_context(theirs)
+            out_theirs = started(theirs)
+            out_theirs["env"] = theirs.env_overrides
+            servers.append(theirs)
         load.sample()
-        out["streams"] = uvloop.run(streaming_sweep(server.base_url, concurrencies, args,
-                                                    vocab_size, server.name))
-        load.sample()
-        out["server_memory"] = memory_mib(server.process.pid)
-        if restart_prompt is not None:
-            workers = worker_pids(server.process.pid)
-            out["worker_pids"] = workers
-            if workers:
-                out["worker_memory"] = memory_mib(workers[0])
-                if not args.skip_restart:
-                    out["restart"] = time_to_serve_again(server.base_url, workers[0],
-                                                         restart_prompt, args.restart_timeout)
-                    print(f"{server.name}: killed worker serving again after "
-                          f"{out['restart']['serving_again_s']} s", flush=True)
-    return out
+        runs = uvloop.run(streaming_sweep(servers, concurrencies, args, vocab_size, load))
+        out_ours["streams"] = runs[ours.name]
+        out_ours["server_memory"] = memory_mib(ours.process.pid)
+        if out_theirs is not None:
+            out_theirs["streams"] = runs[theirs.name]
+            out_theirs["server_memory"] = memory_mib(theirs.process.pid)
+        workers = worker_pids(ours.process.pid)
+        out_ours["worker_pids"] = workers
+        if workers:
+            out_ours["worker_memory"] = memory_mib(workers[0])
+            if not args.skip_restart:
+                out_ours["restart"] = time_to_serve_again(ours.base_url, workers[0],
+                                                          restart_prompt, args.restart_timeout)
+                print(f"{ours.name}: killed worker serving again after "
+                      f"{out_ours['restart']['serving_again_s']} s", flush=True)
+    return out_ours, out_theirs
 
 
 # -- batch-1 decode --------------------------------------------------------------------------
@@ -356,7 +406,8 @@ def llama_bench_decode(binary: Path, args: argparse.Namespace) -> dict:
         cmd = [str(binary), "-m", args.model, "-p", "0", "-n", str(args.batch1_tokens),
                "-d", str(depth), "-t", str(args.threads), "-r", str(args.llama_bench_reps),
                "-o", "json"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit,
+                              env={**os.environ, **llama_env(args)})
         if proc.returncode != 0:
             raise RuntimeError(f"llama-bench failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
         (row,) = json.loads(proc.stdout)
@@ -429,10 +480,11 @@ def table(report: dict) -> str:
         rows.append(f"| {name}: output tok/s (TTFT p50, ITL p50) | {stream(ours, c)} | "
                     f"{stream(theirs, c)} | {ratio_s} |")
     b1 = rat.get("batch1_decode")
-    rows.append(f"| batch-1 decode tok/s | "
-                f"{cell(ours, lambda s: fmt(s['batch1']['decode_tokens_per_s']))} (LLM) | "
-                f"{cell(theirs, lambda s: fmt(s['batch1']['decode_tokens_per_s']))} "
-                f"({cell(theirs, lambda s: s['batch1']['source'])}) | "
+    def batch1(s: dict) -> str:
+        b = s["batch1"]
+        return f"{b['decode_tokens_per_s']:.1f} ({b.get('source', 'LLM')})"
+
+    rows.append(f"| batch-1 decode tok/s | {cell(ours, batch1)} | {cell(theirs, batch1)} | "
                 f"{f'{b1:.2f}x' if b1 else ''} |")
     rows.append(f"| RSS, MiB | worker "
                 f"{cell(ours, lambda s: fmt(s['server']['worker_memory']['rss_mib'], 0))}, server "
@@ -545,6 +597,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="extra 'aioengine serve' flag (repeatable)")
     p.add_argument("--llama-arg", action="append", default=[],
                    help="extra llama-server flag (repeatable)")
+    p.add_argument("--llama-gomp-spincount", default="ours",
+                   help="llama-server's GOMP_SPINCOUNT: 'ours' (our worker's), 'unset', or N")
     p.add_argument("--quick", action="store_true",
                    help="32 output tokens, one request per stream, 1 llama-bench repetition")
     p.add_argument("--seed", type=int, default=0)
@@ -601,18 +655,20 @@ def main(argv: list[str] | None = None) -> dict:
     server_args = ["--model", args.model, "--num-threads", str(args.threads),
                    "--max-num-seqs", str(max(64, n_slots)), "--log-level", "warning",
                    *args.server_arg]
-    ours["server"] = measure_server(AioengineServer(server_args, logs / "aioengine.log"), args,
-                                    concurrencies, vocab_size, load, batch1_prompt)
-    report["aioengine"] = ours
-
+    ours_server = AioengineServer(server_args, logs / "aioengine.log")
+    llama = None
     if llama_server is not None:
-        theirs: dict = {"version": binary_version(llama_server)}
         ctx = n_slots * (args.prompt_len + args.max_tokens + 32)
         llama_args = ["-m", args.model, "-t", str(args.threads), "-tb", str(args.threads),
                       "-np", str(n_slots), "-c", str(ctx), "--no-webui", *args.llama_arg]
-        theirs["server"] = measure_server(LlamaServer(llama_server, llama_args,
-                                                      logs / "llama-server.log"),
-                                          args, concurrencies, vocab_size, load, None)
+        llama = LlamaServer(llama_server, llama_args, logs / "llama-server.log",
+                            env_overrides=llama_env(args))
+    ours["server"], theirs_server = measure_servers(ours_server, llama, args, concurrencies,
+                                                    vocab_size, load, batch1_prompt)
+    report["aioengine"] = ours
+
+    if llama_server is not None:
+        theirs: dict = {"version": binary_version(llama_server), "server": theirs_server}
         if args.skip_batch1:
             pass
         elif llama_bench is not None:
@@ -620,7 +676,7 @@ def main(argv: list[str] | None = None) -> dict:
             theirs["batch1"] = llama_bench_decode(llama_bench, args)
             print(f"  {theirs['batch1']['decode_tokens_per_s']:.1f} tok/s", flush=True)
         else:
-            one = [r for r in theirs["server"]["streams"] if r["concurrency"] == 1]
+            one = [r for r in theirs_server["streams"] if r["concurrency"] == 1]
             if one and one[0]["tpot"]["count"]:
                 theirs["batch1"] = {"decode_tokens_per_s": 1000.0 / one[0]["tpot"]["p50_ms"],
                                     "source": "llama-server 1 stream, 1/TPOT p50"}

@@ -86,6 +86,8 @@ CASES: list[tuple[str, Flags, str]] = [
      "at least 2 are needed"),
     ("kv-cache-beyond-free-memory", lambda t: ["--kv-cache-memory", "1000000"],
      "memory this machine has free"),
+    ("kv-blocks-override-beyond-free-memory",
+     lambda t: ["--num-gpu-blocks-override", "100000000"], "memory this machine has free"),
     ("port-not-a-number", lambda t: ["--port", "http"], "invalid int value"),
     ("port-out-of-range", lambda t: ["--port", "70000"], "not a TCP port"),
     ("block-size-not-power-of-two", lambda t: ["--block-size", "3"], "power of two"),

@@ -144,3 +144,32 @@ def test_queue_full_and_engine_unavailable(tmp_path_factory):
                 check_error(r, *rows["engine_unavailable"], "engine_unavailable")
     finally:
         stop_server(info)
+
+
+# -- docs/troubleshooting.md names real metrics and panel figures ------------------------------
+
+TROUBLESHOOTING_MD = API_MD.parent / "troubleshooting.md"
+
+
+def test_troubleshooting_names_only_real_metrics(server, http):
+    """Every ``aioengine:*`` name on the page is one ``/metrics`` exposes."""
+    text = http.get("/metrics").text
+    exposed = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            exposed.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            exposed.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    named = set(re.findall(r"aioengine:[a-z0-9_]+", TROUBLESHOOTING_MD.read_text()))
+    assert len(named) >= 15, named
+    assert named <= exposed, f"not in /metrics: {sorted(named - exposed)}"
+
+
+def test_troubleshooting_names_only_real_panel_figures():
+    page = (API_MD.parents[1] / "web" / "index.html").read_text()
+    labels = set(re.findall(r"<dt>([^<]+)</dt>", page))
+    doc = TROUBLESHOOTING_MD.read_text()
+    start = doc.index("**Engine** panel") + len("**Engine** panel")
+    panel_line = doc[start:doc.index("block grid")]
+    named = set(re.findall(r"\*([A-Z][^*]+)\*", panel_line))
+    assert len(named) >= 6 and named <= labels, (named, labels)

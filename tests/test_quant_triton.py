@@ -9,7 +9,9 @@ with finite scales for the K-quants), shapes tiny and odd so that every kernel r
 several programs with masked edges; activations are fp32 (the interpreter mis-computes
 tl.dot on bf16).
 
-The ``gpu`` tests run the compiled kernels in fp16, bf16 and fp32.
+Without a GPU, ``test_kernels_compile_for_sm90`` still takes every format's kernels
+through Triton's NVIDIA backend to an sm_90 cubin (the bundled ptxas); the ``gpu`` tests
+run the compiled kernels in fp16, bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -223,6 +225,58 @@ def _q4_0(rows: int = 4, cols: int = 64) -> torch.Tensor:
 def test_wrapper_argument_errors(qt, call, message):
     with pytest.raises(ValueError, match=message):
         call(qt)
+
+
+# -- compiled for a GPU without one: Triton's NVIDIA backend and its bundled ptxas -----------
+
+
+def compile_for_sm90(kernel, pointers: dict[str, str], constexprs: dict,
+                     options: dict):
+    """``kernel`` through Triton's NVIDIA backend for sm_90 (H100/H200), PTX to cubin with
+    the bundled ptxas; every other argument an i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+                 for name in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, signature, constexprs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_kernels_compile_for_sm90(qt, qtype):
+    """The compiled path, which the interpreter never exercises (types, layouts, tl.dot
+    operand rules, register allocation), for the configs the wrappers launch: decode
+    (bf16, 1 row), a 40-row fp16 tile, fp32 (IEEE FMAs), and dequantize. Launching them
+    needs a GPU (the gpu tests)."""
+    if qt._INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1 is set for this process")
+    import triton
+
+    ptxas = triton.knobs.nvidia.ptxas_blackwell.path
+    if not ptxas or not os.path.exists(ptxas):
+        pytest.skip("this triton build has no ptxas")
+    block_size, type_size = qt.GGML_QUANT_SIZES[qtype]
+    layout = {"QTYPE": int(qtype), "QK": block_size, "TYPE_SIZE": type_size,
+              "GROUP": qt._group(qtype)}
+    for m, dtype, name in ((1, torch.bfloat16, "bf16"), (40, torch.float16, "fp16"),
+                           (1, torch.float32, "fp32")):
+        config = qt._matmul_config(m, qtype, dtype)
+        constexprs = {**layout, "HAS_BIAS": True,
+                      "DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
+                      **{k: v for k, v in config.items() if k.isupper()}}
+        pointers = {"x_ptr": f"*{name}", "w_ptr": "*u8", "bias_ptr": f"*{name}",
+                    "y_ptr": f"*{name}"}
+        compiled = compile_for_sm90(qt._dequant_matmul_kernel, pointers, constexprs,
+                                    {k: v for k, v in config.items() if not k.isupper()})
+        assert compiled.asm["cubin"]
+        if dtype != torch.float32:  # tl.dot became tensor-core instructions
+            assert "mma" in compiled.asm["ptx"], (m, name)
+    compiled = compile_for_sm90(qt._dequantize_kernel, {"w_ptr": "*u8", "out_ptr": "*bf16"},
+                                {**layout, "BLOCK_N": 32, "BLOCK_K": 256}, {})
+    assert compiled.asm["cubin"]
 
 
 # -- GPU: compiled kernels -------------------------------------------------------------------

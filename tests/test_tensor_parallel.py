@@ -4,8 +4,9 @@ about 1/N per rank, refused sizes, recovery from a killed rank, the benchmark.
 The default model (9 query heads, 3 KV heads) runs with TP=3 (one KV head per
 rank); small random-weight Llama models with 8 query heads and 1, 2 and 8 KV
 heads run with TP=2 (with 1 KV head it is replicated on both ranks). Models
-are loaded once per module and TP size: each TP=3 start dequantizes the GGUF
-file in three processes on two cores.
+are loaded once per module and TP size. The default model's ranks hold shards of
+its quantized weights (Q4_1 byte rows, whole-block column cuts); other quantized
+shard layouts are tested in test_quantized_model.py.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def assert_parity(name: str, ours, ref) -> None:
 
 def expected_rank_bytes(full: int, *, tp: int, hidden: int, layers: int, vocab: int,
                         num_kv_heads: int, head_dim: int, tied: bool) -> int:
-    """Per-rank parameter bytes (fp32): ``full / tp`` plus what every rank
+    """Per-rank parameter bytes: ``full / tp`` plus what every rank
     keeps whole (RMSNorm weights, replicated KV heads) and the padding of the
-    last vocabulary shard."""
+    last vocabulary shard. Norms are fp32; the KV and vocabulary terms assume fp32
+    weights too, and cancel or vanish where ``tp`` divides the KV heads and the
+    vocabulary (the default model at TP=3, whatever its weight format)."""
     norms = (2 * layers + 1) * hidden * 4
     kv_full = layers * 2 * num_kv_heads * head_dim * hidden * 4
     kv_rank = layers * 2 * kv_heads_of_rank(0, tp, num_kv_heads)[1] * head_dim * hidden * 4

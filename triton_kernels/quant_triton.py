@@ -354,22 +354,28 @@ def dequantize(data: torch.Tensor, qtype: GGMLQuantizationType | int,
     return out
 
 
-def _matmul_config(m: int, qtype: GGMLQuantizationType) -> dict:
-    """Tile sizes and launch parameters for ``_dequant_matmul_kernel`` (heuristics, not
-    yet tuned on a GPU). BLOCK_K is a whole number of blocks (256 = one K-quant
-    super-block per row per step); small M (decode) gets narrow column tiles so that a
-    GEMV still spreads over many SMs; 8 warps once the decoded weight tile passes 4096
-    elements, to keep its per-thread share (and the decode's temporaries) in registers."""
+def _matmul_config(m: int, qtype: GGMLQuantizationType, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch parameters for ``_dequant_matmul_kernel``.
+
+    Chosen so that ptxas (sm_90, Triton 3.9) keeps the decoded tile in registers:
+    at most about 32 weight elements per thread, and no spills but a few bytes for
+    Q5_K at 64 rows. Not yet timed on a GPU. Small M (decode) gets narrow column tiles,
+    so that a GEMV still spreads over many SMs, and for K-quants one whole super-block
+    per row per step; from 17 rows, 64-wide K steps (two legacy blocks, two K-quant
+    sub-blocks: the decoder needs only whole groups, not whole super-blocks). fp32
+    ``x`` goes through IEEE FMAs, not tensor cores, and gets small K steps.
+    """
     k_quant = qtype in _K_QUANTS
     if _INTERPRETED:  # small tiles: several programs and K steps on tiny test shapes
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256 if k_quant else 64,
                 "GROUP_M": 2}
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 32 if m <= 16 else 64
-    block_k = 256 if k_quant else 128
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
-            "num_warps": 8 if block_n * block_k > 4096 else 4,
-            "num_stages": 2 if k_quant else 3}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4}
+    if m <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256 if k_quant else 128,
+                "GROUP_M": 8, "num_warps": 8 if k_quant else 4}
+    return {"BLOCK_M": 32 if m <= 32 else 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8,
+            "num_warps": 8}
 
 
 def dequant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationType | int,
@@ -429,7 +435,7 @@ def dequant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationT
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    config = _matmul_config(m, qtype)
+    config = _matmul_config(m, qtype, x.dtype)
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     _dequant_matmul_kernel[grid](
         x, data, bias if bias is not None else y, y, m, n, k,

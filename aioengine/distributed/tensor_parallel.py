@@ -21,16 +21,27 @@ per block joins the partial sums and nothing in between communicates.
 
 Each rank's KV cache holds only its KV heads:
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads / tp (or 1), head_dim]``.
+
+Quantized weights (``QuantizedWeight``, GGML block formats) split the same way: a
+column-parallel shard is a slice of whole byte rows (a view, no copy); a row-parallel
+shard cuts every row's blocks, which works when the shard's columns are a multiple of
+the format's block size (32, or 256 for the K-quants). Where they are not, that weight
+is dequantized to fp32 before it is cut, and a warning says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
-import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 
 from aioengine.distributed.parallel_state import all_reduce
+from triton_kernels import quant
+from triton_kernels.quant import QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 
 def check_tensor_parallel_size(tp_size: int, num_heads: int, num_kv_heads: int,
@@ -76,12 +87,14 @@ def vocab_shard_size(vocab_size: int, tp_size: int) -> int:
 def shard_llama_weights(weights: dict[str, torch.Tensor], arch, rank: int, tp_size: int):
     """Replace every tensor in ``weights`` (HF names) by rank ``rank``'s shard, in place.
 
-    Shards are copies, so the full tensors can be freed: afterwards the rank
-    holds about ``1 / tp_size`` of the weights plus the replicated norms (and
-    replicated KV heads when ``num_kv_heads < tp_size``).
+    Dense shards are copies, so the full tensors can be freed: afterwards the
+    rank holds about ``1 / tp_size`` of the weights plus the replicated norms
+    (and replicated KV heads when ``num_kv_heads < tp_size``). Quantized row
+    slices are views (of the mapped file, for GGUF); column slices are copies.
 
     Args:
-        weights: ``{hf_name: tensor}`` of the full model (``loader.load_weights``).
+        weights: ``{hf_name: tensor or QuantizedWeight}`` of the full model
+            (``loader.load_weights``).
         arch: the full model's ``LlamaArch``.
 
     Returns:
@@ -104,16 +117,32 @@ def shard_llama_weights(weights: dict[str, torch.Tensor], arch, rank: int, tp_si
     shard = vocab_shard_size(arch.vocab_size, tp_size)
     vocab_start = rank * shard
 
-    def rows(t: torch.Tensor, s: slice) -> torch.Tensor:
+    def rows(t, s: slice):
+        if isinstance(t, QuantizedWeight):
+            return t.slice_rows(s.start, s.stop)
         return t[s].clone()
 
-    def cols(t: torch.Tensor, s: slice) -> torch.Tensor:
+    def cols(t, s: slice, name: str):
+        if isinstance(t, QuantizedWeight):
+            block_size, type_size = GGML_QUANT_SIZES[t.qtype]
+            if s.start % block_size == 0 and s.stop % block_size == 0:
+                data = t.data[:, s.start // block_size * type_size:s.stop // block_size * type_size]
+                return QuantizedWeight(data.contiguous(), t.qtype, (t.shape[0], s.stop - s.start))
+            logger.warning("%s: a shard of %d columns is not a multiple of the %s block size "
+                           "%d; dequantizing it to fp32 for tensor parallelism", name,
+                           s.stop - s.start, t.qtype.name, block_size)
+            t = t.dequantize(torch.float32)
         return t[:, s].clone()
 
-    def vocab_rows(t: torch.Tensor) -> torch.Tensor:
+    def vocab_rows(t):
+        stop = min(vocab_start + shard, t.shape[0])
+        if isinstance(t, QuantizedWeight):
+            # All-zero blocks dequantize to zeros in every GGML format (scale 0).
+            part = t.data[vocab_start:stop]
+            pad = part.new_zeros((shard - part.shape[0], part.shape[1]))
+            return QuantizedWeight(torch.cat([part, pad]), t.qtype, (shard, t.shape[1]))
         out = t.new_zeros((shard,) + t.shape[1:])
-        part = t[vocab_start:vocab_start + shard]
-        out[:part.shape[0]] = part
+        out[:stop - vocab_start] = t[vocab_start:stop]
         return out
 
     for name in list(weights):
@@ -123,31 +152,32 @@ def shard_llama_weights(weights: dict[str, torch.Tensor], arch, rank: int, tp_si
         elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
             weights[name] = rows(t, kv_rows)
         elif name.endswith("o_proj.weight"):
-            weights[name] = cols(t, q_rows)
+            weights[name] = cols(t, q_rows, name)
         elif name.endswith(("gate_proj.weight", "up_proj.weight")):
             weights[name] = rows(t, mlp_rows)
         elif name.endswith("down_proj.weight"):
-            weights[name] = cols(t, mlp_rows)
+            weights[name] = cols(t, mlp_rows, name)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             weights[name] = vocab_rows(t)
     local = dataclasses.replace(arch, num_heads=nq, num_kv_heads=nkv, intermediate_size=ni)
     return local, vocab_start
 
 
-def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor,
+def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
                              vocab_start: int) -> torch.Tensor:
     """Embedding lookup over a vocabulary shard, summed over the ranks.
 
     Args:
         input_ids: ``[num_tokens]`` int64 ids of the full vocabulary.
-        weight: ``[vocab_shard, hidden]`` this rank's rows.
+        weight: ``[vocab_shard, hidden]`` this rank's rows, dense or quantized.
         vocab_start: first id of the shard.
 
     Returns:
-        ``[num_tokens, hidden]``, the full embedding on every rank.
+        ``[num_tokens, hidden]``, the full embedding on every rank (fp32 for a
+        quantized table, else the table's dtype).
     """
     local = input_ids - vocab_start
     outside = (local < 0) | (local >= weight.shape[0])
-    out = F.embedding(local.masked_fill(outside, 0), weight)
+    out = quant.embedding(local.masked_fill(outside, 0), weight)
     out.masked_fill_(outside.unsqueeze(1), 0)
     return all_reduce(out)

@@ -21,7 +21,7 @@ from aioengine.config import EngineConfig
 from aioengine.engine.core import EngineCore, EngineStats
 from aioengine.engine.executor import WorkerDiedError, make_executor
 from aioengine.ipc.messages import SchedulerOutput
-from aioengine.models.loader import load_tokenizer, model_display_name
+from aioengine.models.loader import ModelInfo, inspect_model, load_tokenizer, model_display_name
 from aioengine.sampling_params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class AsyncEngine:
         self.served_model_name = config.model.served_model_name or model_display_name(
             self.model_path)
         self.tokenizer = None
+        self.model_info: ModelInfo | None = None
         self.executor = None
         self.core: EngineCore | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -124,6 +125,11 @@ class AsyncEngine:
     async def start(cls, config: EngineConfig) -> AsyncEngine:
         """Load the tokenizer and start the worker (in threads: the loop stays free)."""
         self = cls(config)
+        # From metadata alone, before any worker starts: a bad file fails here, in one line.
+        m = config.model
+        self.model_info = await asyncio.to_thread(inspect_model, self.model_path, m.quantization,
+                                                  m.dtype)
+        logger.info("model %s: %s", self.model_path, self.model_info.describe())
         # Importing transformers from two threads at once can fail half-way
         # (``cannot import name 'AutoConfig'``): import it once here first.
         await asyncio.to_thread(importlib.import_module, "transformers")

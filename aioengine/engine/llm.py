@@ -14,7 +14,7 @@ from tqdm import tqdm
 from aioengine.config import EngineConfig
 from aioengine.engine.core import EngineCore
 from aioengine.engine.executor import make_executor
-from aioengine.models.loader import load_tokenizer
+from aioengine.models.loader import inspect_model, load_tokenizer
 from aioengine.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
 
@@ -23,13 +23,19 @@ class LLM:
 
     Args:
         model: ``.gguf`` file or HF folder; empty for the default SmolLM2.
-        **kwargs: any ``EngineConfig`` field (``dtype``, ``block_size``,
-            ``max_num_seqs``, ``executor`` ...).
+        **kwargs: any ``EngineConfig`` field (``dtype``, ``quantization``,
+            ``block_size``, ``max_num_seqs``, ``executor`` ...).
+
+    Raises:
+        ValueError: a bad engine argument, or a model the loader refuses from its
+            metadata (not GGUF, corrupt, unsupported architecture or tensor type).
     """
 
     def __init__(self, model: str = "", **kwargs: object) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.tokenizer = load_tokenizer(self.config.model.model_path)
+        m = self.config.model
+        self.model_info = inspect_model(m.model_path, m.quantization, m.dtype)
+        self.tokenizer = load_tokenizer(m.model_path)
         self.executor = make_executor(self.config)
         self.engine = EngineCore(self.config, self.tokenizer, self.executor.num_blocks,
                                  self.executor.max_model_len)

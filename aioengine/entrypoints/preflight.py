@@ -1,5 +1,6 @@
-"""Checks ``aioengine serve`` runs before any heavy work, so a bad start ends
-in well under a second with one line on stderr and exit code 1.
+"""Checks ``aioengine serve`` (and ``generate``, ``chat``) runs before any heavy
+work, so a bad start ends in well under a second with one line on stderr and
+exit code 1.
 
 What is checked, each from cheap reads only (no torch, no transformers, no
 weights): the model file is a readable regular file, a GGUF file whose
@@ -279,21 +280,24 @@ def check_model(config: Any) -> ModelShape:
     if shape.num_layers <= 0 or shape.num_kv_heads <= 0 or shape.head_dim <= 0:
         raise StartupError(f"model {model_path} lacks its layer or attention-head counts")
     cache = config.cache
-    if cache.num_gpu_blocks_override is None:
-        per_block = shape.kv_bytes_per_block(cache.block_size, config.model.dtype,
-                                             config.parallel.tensor_parallel_size)
-        blocks = cache.kv_cache_memory_bytes // per_block
+    per_block = shape.kv_bytes_per_block(cache.block_size, config.model.dtype,
+                                         config.parallel.tensor_parallel_size)
+    if cache.num_gpu_blocks_override is not None:
+        kv_bytes, flag = cache.num_gpu_blocks_override * per_block, "--num-gpu-blocks-override"
+    else:
+        kv_bytes, flag = cache.kv_cache_memory_bytes, "--kv-cache-memory"
+        blocks = kv_bytes // per_block
         if blocks < MIN_KV_BLOCKS:
             need = MIN_KV_BLOCKS * per_block / (1 << 20)
             raise StartupError(
-                f"--kv-cache-memory {cache.kv_cache_memory_bytes / (1 << 30):.3g} GiB holds "
-                f"{blocks} KV block(s) of this model; at least {MIN_KV_BLOCKS} are needed "
-                f"({need:.1f} MiB; 1 GiB holds {(1 << 30) // per_block})")
+                f"--kv-cache-memory {kv_bytes / (1 << 30):.3g} GiB holds {blocks} KV "
+                f"block(s) of this model; at least {MIN_KV_BLOCKS} are needed ({need:.1f} "
+                f"MiB; 1 GiB holds {(1 << 30) // per_block})")
     available = available_memory_bytes()
-    if available is not None and cache.kv_cache_memory_bytes > available:
+    if available is not None and kv_bytes > available:
         raise StartupError(
-            f"--kv-cache-memory {cache.kv_cache_memory_bytes / (1 << 30):.3g} GiB is more "
-            f"than the {available / (1 << 30):.1f} GiB of memory this machine has free")
+            f"{flag}: a KV cache of {kv_bytes / (1 << 30):.3g} GiB is more than the "
+            f"{available / (1 << 30):.1f} GiB of memory this machine has free")
     return shape
 
 

@@ -487,6 +487,15 @@ class CompletionResponse(_Response):
 CompletionChunk = CompletionResponse  # same shape; OpenAI streams "text_completion" objects
 
 
+class ModelQuantization(_Response):
+    """How the served weights are stored: ``method`` is ``"gguf"`` (the file's own
+    formats), ``"int8"``/``"int4"`` (quantized at load) or ``"none"``; ``weight_formats``
+    counts tensors per GGML format name (``{"Q4_1": 210, "F32": 61, "Q8_0": 1}``)."""
+
+    method: str
+    weight_formats: dict[str, int]
+
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
@@ -494,6 +503,7 @@ class ModelCard(_Response):
     owned_by: str = "aioengine"
     root: str | None = None
     max_model_len: int | None = None
+    quantization: ModelQuantization | None = None
 
 
 class ModelList(_Response):

@@ -67,6 +67,7 @@ from aioengine.entrypoints.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ModelQuantization,
     TokenizeRequest,
     TokenizeResponse,
     make_usage,
@@ -484,9 +485,13 @@ async def _completion_stream(serving: OpenAIServing, req: CompletionRequest, req
 
 async def list_models(request: Request) -> Response:
     serving = _serving(request)
+    info = serving.engine.model_info
+    quantization = None if info is None else ModelQuantization(
+        method=info.quantization, weight_formats=info.weight_formats)
     body = ModelList(data=[ModelCard(id=serving.model_name, root=serving.engine.model_path,
                                      max_model_len=serving.max_model_len,
-                                     created=int(serving.engine.started_at))])
+                                     created=int(serving.engine.started_at),
+                                     quantization=quantization)])
     return Response(body.model_dump_json(), media_type="application/json")
 
 

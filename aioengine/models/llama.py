@@ -9,6 +9,12 @@ decodes all take the same path.
 
 Numerics follow HF transformers' ``LlamaForCausalLM`` (RMSNorm in fp32,
 rotate-half RoPE, SiLU-gated MLP) so greedy tokens match it.
+
+Weights are used in the format they were loaded in: dense tensors, or GGML block
+formats (``triton_kernels.quant.QuantizedWeight``: a GGUF file's own bytes, or an HF
+checkpoint quantized at load with ``--quantization``). Every projection, the embedding
+and the LM head go through ``quant.linear`` / ``quant.embedding``, which run the
+quantized kernels on the stored bytes; nothing is dequantized up front.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import triton_kernels
-from triton_kernels import cpu_ops
+from triton_kernels import cpu_ops, quant
+from triton_kernels.quant import QuantizedWeight, Weight, fuse_rows
 from aioengine.distributed import parallel_state as tp
 from aioengine.distributed.tensor_parallel import shard_llama_weights, vocab_parallel_embedding
 
@@ -107,10 +114,13 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (theta ** exponent), 1.0
+    from transformers import AutoConfig, PretrainedConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
+    if not isinstance(config, PretrainedConfig):  # a GGUF file's config (loader.load_hf_config)
+        config = AutoConfig.for_model(**vars(config))
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv_freq.float(), float(scaling)
 
@@ -154,11 +164,32 @@ class RotaryEmbedding:
         return x * cos + torch.roll(x, self.half, dims=-1) * sin
 
 
+def weight_nbytes(w: Weight) -> int:
+    """Bytes a weight occupies: a dense tensor's elements, a quantized one's blocks."""
+    if isinstance(w, tuple):
+        return sum(weight_nbytes(p) for p in w)
+    if isinstance(w, QuantizedWeight):
+        return w.nbytes
+    return w.numel() * w.element_size()
+
+
+def weight_format(w: Weight) -> str:
+    """``"Q4_1"``, ``"F32"``, ``"BF16"`` ...: GGML's name for the format of a weight."""
+    if isinstance(w, tuple):
+        return "+".join(sorted({weight_format(p) for p in w}))
+    if isinstance(w, QuantizedWeight):
+        return w.qtype.name
+    return {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}.get(
+        w.dtype, str(w.dtype).removeprefix("torch."))
+
+
 class LlamaForCausalLM:
     """Our Llama forward over the paged KV cache.
 
-    Weights are plain tensors (``F.linear``), with Q/K/V and gate/up fused
-    into one matmul each. Under tensor parallelism (``parallel_state``
+    Each weight is a dense tensor or a ``QuantizedWeight`` (see the module
+    docstring), with Q/K/V and gate/up fused into one matmul each
+    (``quant.fuse_rows``: same-format parts are concatenated byte row by byte
+    row). Biases and norms are dense. Under tensor parallelism (``parallel_state``
     initialised with size > 1) the model keeps only this rank's shard
     (``distributed.tensor_parallel``) and ``self.arch`` has this rank's head
     counts; the forward adds an all-reduce after ``o_proj`` and ``down_proj``
@@ -166,8 +197,15 @@ class LlamaForCausalLM:
 
     Args:
         arch: model shape.
-        weights: ``{hf_name: tensor}`` as produced by ``loader.load_weights``.
-        dtype: compute dtype.
+        weights: ``{hf_name: tensor or QuantizedWeight}`` as produced by
+            ``loader.load_weights`` (consumed). A GGUF file's ``rope_freqs``
+            (llama3 RoPE) divides the rotary frequencies, as in llama.cpp.
+        dtype: compute dtype of activations, KV cache and dense weights; quantized
+            weights keep their format.
+
+    Raises:
+        ValueError: a weight is missing, or the checkpoint has biases this model
+            does not implement.
     """
 
     def __init__(self, arch: LlamaArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -184,11 +222,14 @@ class LlamaForCausalLM:
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
-        def take(name: str) -> torch.Tensor:
+        freq_factors = weights.pop("rope_freqs", None)
+
+        def take(name: str) -> torch.Tensor | QuantizedWeight:
             try:
-                return weights.pop(name).to(dtype).contiguous()
+                w = weights.pop(name)
             except KeyError:
                 raise ValueError(f"weight {name!r} missing from the checkpoint") from None
+            return w if isinstance(w, QuantizedWeight) else w.to(dtype).contiguous()
 
         self.embed_tokens = take("model.embed_tokens.weight")
         self.layers = []
@@ -197,9 +238,9 @@ class LlamaForCausalLM:
             layer = {
                 "input_layernorm": take(p + "input_layernorm.weight"),
                 "post_attention_layernorm": take(p + "post_attention_layernorm.weight"),
-                "qkv_proj": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                "qkv_proj": fuse_rows([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                 "o_proj": take(p + "self_attn.o_proj.weight"),
-                "gate_up_proj": torch.cat([take(p + "mlp.gate_proj.weight"),
+                "gate_up_proj": fuse_rows([take(p + "mlp.gate_proj.weight"),
                                            take(p + "mlp.up_proj.weight")]),
                 "down_proj": take(p + "mlp.down_proj.weight"),
                 "qkv_bias": None,
@@ -216,13 +257,18 @@ class LlamaForCausalLM:
         if ignored:  # e.g. Llama's attention_bias (o_proj) or mlp_bias: refuse, never drop
             raise ValueError(f"the checkpoint has biases this model does not implement: "
                              f"{', '.join(ignored[:3])}{' ...' if len(ignored) > 3 else ''}")
-        self.rotary = RotaryEmbedding(arch.inv_freq, max(max_model_len, 1), arch.attention_scaling,
+        inv_freq = arch.inv_freq
+        if freq_factors is not None:  # llama.cpp's ggml_rope_ext: theta / freq_factor
+            inv_freq = inv_freq / freq_factors.float().reshape(inv_freq.shape)
+        self.rotary = RotaryEmbedding(inv_freq, max(max_model_len, 1), arch.attention_scaling,
                                       dtype)
         # Decode steps on CPU in fp32 run the layer stack in one C++ call (see
         # cpu_ops.LlamaDecodeLayers); tensor parallelism keeps the Python forward, which
-        # has the all-reduces.
+        # has the all-reduces. Quantized weights need the kernels' quantized build of it.
         self.decode_layers = None
-        if (self.tp_size == 1 and self.embed_tokens.device.type == "cpu"
+        quantized = any(not isinstance(w, torch.Tensor) for _, w in self.named_weights())
+        if (self.tp_size == 1 and self.norm.device.type == "cpu"
+                and (not quantized or getattr(cpu_ops, "QUANTIZED_DECODE_LAYERS", False))
                 and 2 * self.rotary.half == arch.head_dim):  # the C++ RoPE rotates whole heads
             fused = cpu_ops.LlamaDecodeLayers(
                 [(layer["input_layernorm"], layer["post_attention_layernorm"], layer["qkv_proj"],
@@ -231,12 +277,25 @@ class LlamaForCausalLM:
                 self.norm, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps)
             self.decode_layers = fused if fused.available else None
 
-    def parameter_bytes(self) -> int:
-        tensors = [self.embed_tokens, self.norm] + [t for layer in self.layers
-                                                     for t in layer.values() if t is not None]
+    def named_weights(self) -> list[tuple[str, Weight]]:
+        """Every weight once (a tied LM head is the embedding), with our names."""
+        named = [("embed_tokens", self.embed_tokens), ("norm", self.norm)]
+        named += [(f"layers.{i}.{k}", w) for i, layer in enumerate(self.layers)
+                  for k, w in layer.items() if w is not None]
         if self.lm_head is not self.embed_tokens:
-            tensors.append(self.lm_head)
-        return sum(t.numel() * t.element_size() for t in tensors)
+            named.append(("lm_head", self.lm_head))
+        return named
+
+    def parameter_bytes(self) -> int:
+        """Bytes of all weights as held (quantized ones at their block size)."""
+        return sum(weight_nbytes(w) for _, w in self.named_weights())
+
+    def weight_formats(self) -> dict[str, int]:
+        """``{format: number of weights}`` (fused Q/K/V and gate/up count once)."""
+        counts: dict[str, int] = {}
+        for _, w in self.named_weights():
+            counts[weight_format(w)] = counts.get(weight_format(w), 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -263,7 +322,8 @@ class LlamaForCausalLM:
         if self.tp_size > 1:
             residual = vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_start)
         else:
-            residual = F.embedding(input_ids, self.embed_tokens)
+            residual = quant.embedding(input_ids, self.embed_tokens)
+        residual = residual.to(self.dtype)  # quantized tables dequantize their rows to fp32
         if self.decode_layers is not None:
             hidden = self.decode_layers.forward(residual, cos, sin, kv_cache, plan, self.scale)
             if hidden is not None:
@@ -276,7 +336,7 @@ class LlamaForCausalLM:
             if i > 0:
                 triton_kernels.fused_add_rms_norm(x, residual, layer["input_layernorm"],
                                                   arch.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv_proj"], layer["qkv_bias"])
+            qkv = quant.linear(x, layer["qkv_proj"], layer["qkv_bias"])
             # Q and K heads sit side by side in the fused output: rotate them in one go.
             qk = qkv[:, :self.q_size + self.kv_size].reshape(num_tokens, num_qk_heads,
                                                              arch.head_dim)
@@ -290,13 +350,13 @@ class LlamaForCausalLM:
             o = triton_kernels.paged_attention(
                 q, key_cache, value_cache, attn.block_tables, attn.cu_seqlens_q, attn.seq_lens,
                 self.scale, attn.max_seqlen_q, attn.max_seqlen_k, plan=plan)
-            o = F.linear(o.reshape(num_tokens, self.q_size), layer["o_proj"])
+            o = quant.linear(o.reshape(num_tokens, self.q_size), layer["o_proj"])
             if self.tp_size > 1:
                 tp.all_reduce(o)  # row-parallel o_proj: sum the ranks' partial outputs
             triton_kernels.fused_add_rms_norm(o, residual, layer["post_attention_layernorm"],
                                               arch.rms_norm_eps)
-            x = F.linear(triton_kernels.silu_and_mul(F.linear(o, layer["gate_up_proj"])),
-                         layer["down_proj"])
+            x = quant.linear(triton_kernels.silu_and_mul(quant.linear(o, layer["gate_up_proj"])),
+                             layer["down_proj"])
             if self.tp_size > 1:
                 tp.all_reduce(x)  # row-parallel down_proj
         triton_kernels.fused_add_rms_norm(x, residual, self.norm, arch.rms_norm_eps)
@@ -309,7 +369,10 @@ class LlamaForCausalLM:
         Under tensor parallelism every rank must call it (each computes its
         vocabulary slice); rank 0 gets the gathered logits, the others None.
         """
-        logits = cpu_ops.linear(hidden, self.lm_head)  # F.linear off the fp32 CPU path
+        if isinstance(self.lm_head, torch.Tensor):
+            logits = cpu_ops.linear(hidden, self.lm_head)  # F.linear off the fp32 CPU path
+        else:
+            logits = quant.linear(hidden, self.lm_head)
         if self.tp_size > 1:
             logits = tp.gather_to_first(logits)
             if logits is None:

@@ -1,46 +1,260 @@
 """Model config, tokenizer and weights from a GGUF file or an HF folder.
 
-Weights come through well-kept libraries: ``gguf`` (via transformers' GGUF
-reader, which dequantizes and undoes llama.cpp's Q/K row permutation and maps
-tensor names to HF names) and ``safetensors``. The forward pass is ours
-(``aioengine.models.llama``); transformers only supplies config, tokenizer,
-chat template and tensors.
+- GGUF: our own reader (``gguf_loader``): the config from the file's metadata, the
+  tensors memory-mapped in their stored formats (quantized ones as
+  ``QuantizedWeight``), Q/K rows put back in HF order. The tokenizer is transformers'
+  (built from the file's metadata) and cached as ``tokenizer.json`` after the first
+  build, which is 20x faster to load again.
+- HF folder: ``config.json`` through transformers, ``*.safetensors`` through
+  ``safetensors``; with ``quantization="int8"`` or ``"int4"`` the linear weights are
+  quantized at load to GGML block formats (``QUANTIZATION_FORMATS``).
+
+The forward pass is ours (``aioengine.models.llama``); transformers only supplies
+config, tokenizer and chat template.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
+from triton_kernels.quant import GGMLQuantizationType, QuantizedWeight
+
 logger = logging.getLogger(__name__)
 
+QT = GGMLQuantizationType
+QUANTIZATION_METHODS = ("none", "int8", "int4")
+#: ``--quantization`` -> (format of the Q/K/V/O and MLP projections, format of the
+#: embedding and LM head). Weight-only, groups of 32 weights along the input dimension:
+#: int8 is Q8_0 (int8 values, one fp16 scale per group: 8.5 bits/weight); int4 is Q4_1
+#: (4-bit values with an fp16 scale and an fp16 minimum per group: 5 bits/weight; the
+#: minimum makes it more accurate than the symmetric Q4_0 for 0.5 bit more, and it is the
+#: format of the default GGUF, which the kernels are tuned for). The embedding and LM
+#: head stay at Q8_0 under int4, as llama.cpp's Q4 files keep them at 6-8 bits: the LM
+#: head's error lands directly on the logits.
+QUANTIZATION_FORMATS: dict[str, tuple[GGMLQuantizationType, GGMLQuantizationType]] = {
+    "int8": (QT.Q8_0, QT.Q8_0),
+    "int4": (QT.Q4_1, QT.Q8_0),
+}
+_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
-def _split_gguf(path: str) -> tuple[str, str]:
-    p = Path(path)
-    return str(p.parent), p.name
+
+def is_gguf(model_path: str) -> bool:
+    return model_path.endswith(".gguf")
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_header(path: str, mtime_ns: int, size: int):
+    from aioengine.models.gguf_loader import GGUFFile
+
+    return GGUFFile.read(path)
+
+
+def gguf_file(model_path: str):
+    """The parsed header of a GGUF file (``gguf_loader.GGUFFile``), cached per process
+    while the file is unchanged. Raises FileNotFoundError / ValueError (see ``read``)."""
+    st = os.stat(model_path)
+    return _gguf_header(os.path.realpath(model_path), st.st_mtime_ns, st.st_size)
+
+
+# -- what the engine process checks before any worker starts ---------------------------------
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model is and how its weights are stored, from metadata alone.
+
+    Attributes:
+        architecture: ``llama``, ``qwen2`` ...
+        quantization: ``"gguf"`` (the file's own formats), ``"int8"`` / ``"int4"``
+            (quantized at load), or ``"none"`` (dense, in the compute dtype).
+        weight_formats: ``{format: number of tensors}`` as they will be held, e.g.
+            ``{"Q4_1": 210, "F32": 61, "Q8_0": 1}``.
+    """
+
+    architecture: str
+    quantization: str
+    weight_formats: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for logs: ``gguf weights Q4_1 x210, F32 x61, Q8_0 x1``."""
+        formats = ", ".join(f"{k} x{v}" for k, v in self.weight_formats.items())
+        return f"{self.quantization} weights {formats}" if formats else self.quantization
+
+
+def inspect_model(model_path: str, quantization: str = "none", dtype: str = "float32"
+                  ) -> ModelInfo:
+    """Check a model from its metadata (the GGUF header, or ``config.json`` and the
+    safetensors headers) without reading any weights.
+
+    Raises:
+        FileNotFoundError: no such file, or an HF folder without ``*.safetensors``.
+        ValueError: not a GGUF file, a corrupt header, an unsupported architecture or
+            tensor type, or ``quantization`` given for a GGUF file (already quantized);
+            the message names the file and the problem.
+    """
+    dense = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]
+    if is_gguf(model_path):
+        from aioengine.models.gguf_loader import check_gguf_model
+
+        if quantization != "none":
+            raise ValueError(_already_quantized(model_path, quantization))
+        f = gguf_file(model_path)
+        check_gguf_model(f)
+        counts: dict[str, int] = {}
+        for info in f.tensors.values():
+            # Vectors (norms, biases) and F32 tensors are held dense in the compute dtype.
+            fmt = dense if len(info.shape) == 1 or info.type_name == "F32" else info.type_name
+            counts[fmt] = counts.get(fmt, 0) + 1
+        return ModelInfo(f.architecture, "gguf", dict(sorted(counts.items(),
+                                                              key=lambda kv: -kv[1])))
+    config = load_hf_config(model_path)
+    from aioengine.models.llama import SUPPORTED_MODEL_TYPES
+
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{model_path}: model_type {config.model_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    counts = {}
+    for name, shape in _safetensors_shapes(model_path).items():
+        if tied and name == "lm_head.weight":
+            continue
+        fmt = _hf_format(name, shape, quantization)
+        fmt = fmt.name if fmt is not None else dense
+        counts[fmt] = counts.get(fmt, 0) + 1
+    return ModelInfo(config.model_type, quantization,
+                     dict(sorted(counts.items(), key=lambda kv: -kv[1])))
+
+
+def _already_quantized(model_path: str, quantization: str) -> str:
+    return (f"--quantization {quantization} quantizes an HF checkpoint at load; {model_path} is "
+            f"a GGUF file, already quantized (its tensors run in their stored formats): "
+            f"drop the flag")
+
+
+def _safetensors_files(model_path: str) -> list[Path]:
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
+    return files
+
+
+def _safetensors_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in _safetensors_files(model_path):
+        with safe_open(str(f), "pt") as sf:
+            for name in sf.keys():
+                shapes[name] = tuple(sf.get_slice(name).get_shape())
+    return shapes
+
+
+def _hf_format(name: str, shape: tuple[int, ...], quantization: str
+               ) -> GGMLQuantizationType | None:
+    """The block format ``--quantization`` gives this HF tensor, or None to keep it dense
+    (vectors, biases, anything else, and rows not a multiple of the block size)."""
+    if quantization == "none" or len(shape) != 2:
+        return None
+    proj_format, table_format = QUANTIZATION_FORMATS[quantization]
+    if name.endswith(_PROJECTIONS):
+        qtype = proj_format
+    elif name in _TABLES:
+        qtype = table_format
+    else:
+        return None
+    from gguf import GGML_QUANT_SIZES
+
+    return qtype if shape[1] % GGML_QUANT_SIZES[qtype][0] == 0 else None
+
+
+# -- config, tokenizer, name -----------------------------------------------------------------
 
 
 def load_hf_config(model_path: str):
-    """``transformers.PretrainedConfig`` of a GGUF file or an HF folder."""
+    """The model's config: a ``transformers.PretrainedConfig`` for an HF folder; for a
+    GGUF file the same fields (HF ``config.json`` names) from the file's metadata
+    (``gguf_loader.hf_config_dict``), without importing transformers.
+
+    Raises:
+        ValueError: see ``gguf_loader.check_gguf_model``.
+    """
+    if is_gguf(model_path):
+        from aioengine.models.gguf_loader import check_gguf_model
+
+        return SimpleNamespace(**check_gguf_model(gguf_file(model_path)))
     from transformers import AutoConfig
 
-    if model_path.endswith(".gguf"):
-        folder, name = _split_gguf(model_path)
-        return AutoConfig.from_pretrained(folder, gguf_file=name)
     return AutoConfig.from_pretrained(model_path)
 
 
+def tokenizer_cache_dir() -> Path:
+    """Where GGUF tokenizers are cached: ``$AIOENGINE_CACHE_DIR`` or
+    ``$XDG_CACHE_HOME/aioengine`` (``~/.cache/aioengine``), then ``tokenizers/``."""
+    root = os.environ.get("AIOENGINE_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                            "aioengine")
+    return Path(root) / "tokenizers"
+
+
+def _tokenizer_key(model_path: str) -> str:
+    import tokenizers
+    import transformers
+
+    st = os.stat(model_path)
+    ident = (f"{os.path.realpath(model_path)}|{st.st_size}|{st.st_mtime_ns}|"
+             f"{transformers.__version__}|{tokenizers.__version__}")
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
 def load_tokenizer(model_path: str):
-    """Fast tokenizer (with chat template) of a GGUF file or an HF folder."""
+    """Fast tokenizer (with chat template) of a GGUF file or an HF folder.
+
+    A GGUF file's tokenizer is built by transformers from the file's metadata
+    (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``: about 7 s for a 49k
+    vocabulary on this machine, most of it transformers parsing the file with
+    ``gguf.GGUFReader``), then saved with ``save_pretrained`` under
+    ``tokenizer_cache_dir()``, keyed by the file's path, size and mtime and the
+    transformers and tokenizers versions; later loads read that ``tokenizer.json``
+    (about 0.3 s). Writing the cache is best effort.
+    """
     from transformers import AutoTokenizer
 
-    if model_path.endswith(".gguf"):
-        folder, name = _split_gguf(model_path)
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return AutoTokenizer.from_pretrained(model_path)
+    if not is_gguf(model_path):
+        return AutoTokenizer.from_pretrained(model_path)
+    cached = tokenizer_cache_dir() / _tokenizer_key(model_path)
+    if (cached / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as exc:  # a damaged cache entry: rebuild it
+            logger.warning("tokenizer cache %s unreadable (%s); rebuilding it", cached, exc)
+            shutil.rmtree(cached, ignore_errors=True)
+    p = Path(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, cached)  # atomic; another process may have won the race
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        logger.info("tokenizer cache not written (%s)", exc)
+    return tokenizer
 
 
 def model_display_name(model_path: str) -> str:
@@ -55,36 +269,43 @@ def model_display_name(model_path: str) -> str:
     return p.resolve().name
 
 
-def load_weights(model_path: str, hf_config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All weights as ``{hf_parameter_name: tensor}`` in ``dtype`` on the CPU.
+# -- weights ---------------------------------------------------------------------------------
 
-    GGUF tensors are dequantized (Q4_1 etc. to fp32 first, then cast).
+
+def load_weights(model_path: str, hf_config, dtype: torch.dtype, quantization: str = "none"
+                 ) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """All weights as ``{hf_parameter_name: tensor or QuantizedWeight}`` on the CPU.
+
+    GGUF: each tensor in its stored format, mapped from the file (``gguf_loader``);
+    F32 tensors are fp32 views of the file. HF: dense tensors in ``dtype``, except that
+    ``quantization`` ``"int8"``/``"int4"`` quantizes the projections, the embedding and
+    the LM head at load (``QUANTIZATION_FORMATS``; gguf's reference quantizers).
 
     Raises:
         FileNotFoundError: an HF folder holds no ``*.safetensors`` file.
+        ValueError: ``quantization`` with a GGUF file, or a file the loader refuses.
     """
-    if model_path.endswith(".gguf"):
-        return _load_gguf_weights(model_path, hf_config, dtype)
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
-    from safetensors.torch import load_file
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got "
+                         f"{quantization!r}")
+    if is_gguf(model_path):
+        from aioengine.models.gguf_loader import check_gguf_model, load_gguf_weights
 
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, tensor in load_file(str(f)).items():
-            weights[name] = tensor.to(dtype)
+        if quantization != "none":
+            raise ValueError(_already_quantized(model_path, quantization))
+        f = gguf_file(model_path)
+        return load_gguf_weights(f, check_gguf_model(f))
+    from safetensors import safe_open
+
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    weights: dict[str, Any] = {}
+    for path in _safetensors_files(model_path):
+        with safe_open(str(path), "pt") as sf:
+            for name in sf.keys():
+                if tied and name == "lm_head.weight":
+                    continue  # tied: the model uses the embedding, a copy would be dead weight
+                tensor = sf.get_tensor(name)
+                qtype = _hf_format(name, tuple(tensor.shape), quantization)
+                weights[name] = (tensor.to(dtype) if qtype is None
+                                 else QuantizedWeight.quantize(tensor, qtype))
     return weights
-
-
-def _load_gguf_weights(model_path: str, hf_config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    # An empty HF model on the meta device only serves to map GGUF tensor
-    # names to HF names; no memory is allocated for it.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    os.environ.setdefault("TQDM_MININTERVAL", "0.5")
-    parsed = load_gguf_checkpoint(model_path, return_tensors=True, model_to_load=skeleton)
-    return {name: t.to(dtype) for name, t in parsed["tensors"].items()}
