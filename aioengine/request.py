@@ -12,6 +12,7 @@ import enum
 import time
 
 from aioengine.sampling_params import SamplingParams
+from aioengine.structured.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -49,6 +50,8 @@ class Request:
         arrival_time: ``time.monotonic()`` seconds at arrival.
         max_tokens: resolved limit of new tokens (never None here).
         cache_salt: extra key that keeps this tenant's blocks private.
+        structured_output_request: grammar and matcher of a constrained
+            request (None when unconstrained).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -73,6 +76,11 @@ class Request:
         self.stop_reason: str | int | None = None
         self.seed = 0  # of this request's own generator, set by the engine
         self.first_scheduled_time: float | None = None
+        self.structured_output_request: StructuredOutputRequest | None = None
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     @property
     def num_tokens(self) -> int:

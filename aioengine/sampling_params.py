@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from aioengine.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # Integers cross to the worker as 64-bit msgpack ints; a larger one would fail
 # to encode inside the step loop (stalling every request), so refuse it here.
@@ -50,6 +52,8 @@ class SamplingParams:
         prompt_logprobs: unsupported; must be None.
         logit_bias: token id -> bias added to the logit.
         skip_special_tokens: leave special tokens out of text.
+        structured_outputs: a grammar the output must match (JSON schema,
+            regex, choice, EBNF); None for free text.
     """
 
     n: int = 1
@@ -71,6 +75,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

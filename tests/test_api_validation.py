@@ -87,8 +87,10 @@ CHAT_BAD = [
     ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
     ("messages", [{"role": "user", "content": [{"type": "text"}]}]), ("messages", None),
     ("add_generation_prompt", "yes"), ("continue_final_message", 1),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tools", "x"),
-    ("response_format", {"type": "json_object"}), ("response_format", "json"),
+    ("tools", [{"type": "function"}]), ("tools", "x"), ("tool_choice", "always"),
+    ("tool_choice", {"type": "function", "function": {"name": "nope"}}),
+    ("response_format", {"type": "xml"}), ("response_format", "json"),
+    ("guided_regex", 5), ("guided_choice", "red"),
 ]
 COMPLETION_BAD = [
     ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("logprobs", "1"),

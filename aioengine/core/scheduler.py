@@ -187,8 +187,13 @@ class Scheduler:
         scheduled_new: list[Request] = []
         resumed: list[Request] = []
         blocked_by_preemption = bool(self.preempted_req_ids)
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        next_waiting = 0  # index of the next waiting request to consider
+        while next_waiting < len(self.waiting) and budget > 0:
+            request = self.waiting[next_waiting]
+            if (request.structured_output_request is not None
+                    and not request.structured_output_request.is_ready()):
+                next_waiting += 1  # its grammar is still compiling: it waits, others go
+                continue
             if blocked_by_preemption and request.priority >= min(
                     (r.priority for r in self.running), default=request.priority):
                 break
@@ -206,7 +211,7 @@ class Scheduler:
                 if preempt_worst(than=request) is None:
                     break
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(next_waiting)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -247,6 +252,11 @@ class Scheduler:
         self._scheduled_order = order
         self._record_step(output)
         return output
+
+    @property
+    def scheduled_requests(self) -> list[Request]:
+        """The last ``schedule()``'s requests, in ``SchedulerOutput`` order."""
+        return self._scheduled_order
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -23,6 +23,8 @@ from aioengine.engine.executor import WorkerDiedError, make_executor
 from aioengine.ipc.messages import SchedulerOutput
 from aioengine.models.loader import ModelInfo, inspect_model, load_tokenizer, model_display_name
 from aioengine.sampling_params import RequestOutput, SamplingParams
+from aioengine.structured.manager import StructuredOutputManager
+from aioengine.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +122,7 @@ class AsyncEngine:
         self.latency_observer: LatencyObserver | None = None
         self._retired_stats = dict.fromkeys(_CUMULATIVE_STATS, 0)
         self._retired_max_reqs_in_step = 0
+        self.structured_output_manager: StructuredOutputManager | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -147,8 +150,11 @@ class AsyncEngine:
                 self._retired_stats[name] += getattr(old, name)
             self._retired_max_reqs_in_step = max(self._retired_max_reqs_in_step,
                                                  old.max_reqs_in_step)
+        if self.structured_output_manager is None:
+            self.structured_output_manager = StructuredOutputManager(
+                self.tokenizer, len(self.tokenizer), self.tokenizer.eos_token_id)
         self.core = EngineCore(self.config, self.tokenizer, self.executor.num_blocks,
-                               self.executor.max_model_len)
+                               self.executor.max_model_len, self.structured_output_manager)
         self._watch_worker()
         self._step_task = asyncio.get_running_loop().create_task(self._step_loop())
         self.healthy = True
@@ -254,22 +260,35 @@ class AsyncEngine:
         if self.core is not None:
             self.core.abort_request(request_id)
 
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a constraint in the grammar thread (cached), so the request
+        that uses it is scheduled without waiting and a bad one is refused
+        before it is queued.
+
+        Raises:
+            GrammarError: the grammar library cannot compile it.
+        """
+        assert self.structured_output_manager is not None
+        await self.structured_output_manager.compile_async(params)
+
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < 2048:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self.tokenizer.encode, text,
                                        add_special_tokens=add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
-                                  ) -> list[int]:
-        """Token ids of a conversation under the model's own chat template.
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation under the model's own chat template
+        (``tools``: OpenAI tool entries, for a template that renders them).
 
         Raises:
             ValueError: the template rejects the messages.
         """
         def render() -> list[int]:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                tools=tools)
             return self.tokenizer.encode(text, add_special_tokens=False)
 
         try:
@@ -330,6 +349,11 @@ class AsyncEngine:
             t0 = time.perf_counter()
             so = core.schedule()
             if so.num_reqs == 0 and not so.finished_req_ids:
+                pending = core.pending_grammars()
+                if pending:  # only requests whose grammar still compiles: wait for one
+                    await asyncio.wait([asyncio.wrap_future(f) for f in pending],
+                                       timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 # Nothing fits right now (should not happen with a valid cache size).
                 await asyncio.sleep(0)
                 continue
@@ -408,3 +432,5 @@ class AsyncEngine:
             self._fail_all("the server is shutting down")
         if self.executor is not None:
             await asyncio.to_thread(self.executor.shutdown)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()

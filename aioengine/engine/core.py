@@ -24,6 +24,7 @@ from aioengine.sampling_params import (
     SamplingParamError,
     SamplingParams,
 )
+from aioengine.structured.manager import StructuredOutputManager
 
 
 class RequestRejected(ValueError):
@@ -81,10 +82,13 @@ class EngineCore:
         tokenizer: HF tokenizer of the model (``backend_tokenizer`` is used
             for streaming detokenization).
         num_blocks, max_model_len: as reported by the worker handshake.
+        structured_output_manager: grammar compile cache to use (kept across
+            worker restarts by ``AsyncEngine``); a new one when None.
     """
 
     def __init__(self, config: EngineConfig, tokenizer, num_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self._backend_tokenizer = tokenizer.backend_tokenizer
@@ -95,6 +99,8 @@ class EngineCore:
                                                config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, max_model_len,
                                    self._sampling_metadata)
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(
+            tokenizer, len(tokenizer), self.eos_token_id)
         self._parents: dict[str, _ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
         self._seed_rng = random.Random(config.model.seed)
@@ -169,6 +175,9 @@ class EngineCore:
             child.seed = (params.seed + i) if params.seed is not None else \
                 self._seed_rng.getrandbits(63)
             self._child_to_parent[child.request_id] = (parent, i)
+            if params.structured_outputs is not None:
+                child.structured_output_request = self.structured_output_manager.new_request(
+                    params.structured_outputs)
             self.scheduler.add_request(child)
 
     def abort_request(self, request_id: str) -> bool:
@@ -205,7 +214,26 @@ class EngineCore:
 
     # -- steps ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        """The next step; constrained requests that sample in it get their
+        ``grammar_bitmask`` rows (none at all when no such request runs)."""
+        so = self.scheduler.schedule()
+        ids, constrained = [], []
+        for request, num_new in zip(self.scheduler.scheduled_requests, so.num_scheduled_tokens):
+            if (request.structured_output_request is not None
+                    and request.num_computed_tokens + num_new >= request.num_tokens):
+                ids.append(request.request_id)
+                constrained.append(request.structured_output_request)
+        if constrained:
+            so.structured_output_request_ids = ids
+            so.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                constrained).tobytes()
+        return so
+
+    def pending_grammars(self) -> list:
+        """Compile futures of waiting requests whose grammar is not ready yet."""
+        return [r.structured_output_request.grammar_future for r in self.scheduler.waiting
+                if r.structured_output_request is not None
+                and not r.structured_output_request.is_ready()]
 
     def process_output(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         """Apply one step's sampled tokens; one ``RequestOutput`` per parent that
@@ -221,6 +249,15 @@ class EngineCore:
                 parent.num_cached_tokens = request.num_cached_tokens
             if token is None:
                 continue
+            so_request = request.structured_output_request
+            if so_request is not None and so_request.matcher is not None:
+                if not so_request.accept_token(token) and not request.is_finished:
+                    # Only a token the mask did not cover (ignore_eos past the end).
+                    self.scheduler.finish_requests([request.request_id],
+                                                   RequestStatus.FINISHED_STOPPED)
+                elif so_request.is_terminated and not request.is_finished:
+                    self.scheduler.finish_requests([request.request_id],
+                                                   RequestStatus.FINISHED_STOPPED)
             detok = parent.detokenizers[index]
             completion = parent.completions[index]
             stopped = detok.update(token)

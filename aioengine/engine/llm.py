@@ -62,6 +62,8 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
                          else list(prompt))
+            if p.structured_outputs is not None:  # GrammarError for a bad one, before queueing
+                self.engine.structured_output_manager.compile_sync(p.structured_outputs)
             request_id = str(self._counter)
             self._counter += 1
             self.engine.add_request(request_id, token_ids, p,

@@ -140,6 +140,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "they are aborted (default: %(default)s)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="the model's tool-call format (default: from its chat template)")
     p.set_defaults(func=run_serve)
 
 
@@ -172,7 +175,7 @@ def run_serve(args: argparse.Namespace) -> None:
     app = build_app(config, api_key=args.api_key,
                     max_body_bytes=int(args.max_body_mib * (1 << 20)),
                     max_ws_requests=args.max_ws_requests, web_dir=args.web_dir,
-                    allowed_origins=origins)
+                    allowed_origins=origins, tool_call_parser=args.tool_call_parser)
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, loop="uvloop", http="httptools", lifespan="on",
         log_level=args.log_level, ws_max_size=int(args.max_body_mib * (1 << 20)),

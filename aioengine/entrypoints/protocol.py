@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aioengine.sampling_params import SamplingParamError, SamplingParams
+from aioengine.structured.params import StructuredOutputsParams
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
@@ -179,22 +180,99 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallInput(_Request):
+    """A tool call of an earlier assistant turn in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    """One conversation turn. ``content`` may be a string or a list of text parts."""
+    """One conversation turn. ``content`` may be a string or a list of text parts;
+    an assistant turn may carry ``tool_calls``, a ``tool`` turn its ``tool_call_id``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallInput] | None = None
+    tool_call_id: str | None = None
 
-    def to_template_dict(self) -> dict[str, str]:
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it: ``tool_calls[].function.arguments``
+        decoded to an object (HF's convention, as vLLM passes it)."""
         if isinstance(self.content, list):
             text = "".join(part.text for part in self.content)
         else:
             text = self.content or ""
-        message = {"role": self.role, "content": text}
+        message: dict[str, Any] = {"role": self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError:
+                    arguments = call.function.arguments
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            message["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema`` (OpenAI)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` object: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingRequest(_Request):
@@ -223,6 +301,57 @@ class SamplingRequest(_Request):
     priority: int | None = None
     cache_salt: str | None = None
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields (one of them at a time).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """``(constraint, request field it came from)``, or ``(None, None)``.
+
+        Raises:
+            APIError: 400 for two constraints at once or an incomplete one.
+        """
+        found: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(400, "response_format 'json_schema' needs "
+                               "'json_schema': {'name': ..., 'schema': {...}}",
+                               "response_format", "invalid_value")
+            found.append(("response_format", {"json": rf.json_schema.schema_}))
+        so = self.structured_outputs
+        if so is not None:
+            given = {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                     "grammar": so.grammar, "json_object": so.json_object or None}
+            given = {k: v for k, v in given.items() if v is not None}
+            if len(given) != 1:
+                raise APIError(400, "'structured_outputs' must set exactly one of json, regex, "
+                               "choice, grammar and json_object", "structured_outputs",
+                               "invalid_value")
+            found.append(("structured_outputs", given))
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                            ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                found.append((field, {kind: getattr(self, field)}))
+        if not found:
+            return None, None
+        if len(found) > 1:
+            raise APIError(400, f"give one output constraint, not both '{found[0][0]}' and "
+                           f"'{found[1][0]}'", found[1][0], "invalid_value")
+        field, kwargs = found[0]
+        if "choice" in kwargs:
+            kwargs["choice"] = tuple(kwargs["choice"])
+        try:
+            return StructuredOutputsParams(**kwargs), field
+        except ValueError as exc:
+            raise APIError(400, f"'{field}': {exc}", field, "invalid_value") from None
 
     # Overridden by subclasses: which request field set SamplingParams.max_tokens /
     # SamplingParams.logprobs, and the number of top logprobs wanted.
@@ -269,6 +398,7 @@ class SamplingRequest(_Request):
             "skip_special_tokens": self.skip_special_tokens,
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
+        kwargs["structured_outputs"] = self.structured_outputs_params()[0]
         kwargs["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens
         try:
             return SamplingParams(**kwargs)
@@ -288,9 +418,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-    # Accepted only when they ask for nothing this server cannot do.
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -306,12 +436,44 @@ class ChatCompletionRequest(SamplingRequest):
         return self.top_logprobs or 0, "top_logprobs"
 
     def check_supported(self) -> None:
-        """Raises ``APIError`` 400 for features this server does not have."""
-        if self.tools:
-            raise APIError(400, "tool calling is not supported", "tools", "unsupported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported",
-                           "response_format", "unsupported")
+        """Raises ``APIError`` 400 for a ``tool_choice`` the ``tools`` cannot meet."""
+        choice = self.effective_tool_choice
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            if not self.tools:
+                raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice",
+                               "invalid_value")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise APIError(400, f"'tool_choice' names the function "
+                               f"{choice.function.name!r}, which is not in 'tools' {names}",
+                               "tool_choice", "invalid_value")
+        if (choice not in ("none", "auto")
+                and SamplingRequest.structured_outputs_params(self)[0] is not None):
+            raise APIError(400, "a forced tool call cannot be combined with another output "
+                           "constraint", "tool_choice", "invalid_value")
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice if self.tool_choice is not None else "auto"
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """As ``SamplingRequest``'s, plus the grammar of a forced tool call
+        (``tool_choice`` ``required`` or a named function)."""
+        params, field = super().structured_outputs_params()
+        choice = self.effective_tool_choice
+        if params is not None or choice in ("none", "auto"):
+            return params, field
+        from aioengine.tools.constraint import tool_call_schema
+
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        schema = tool_call_schema([t.function.model_dump(exclude_none=True)
+                                   for t in self.tools or []],
+                                  named, self.parallel_tool_calls is not False)
+        return StructuredOutputsParams(json=schema), "tools"
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -417,9 +579,21 @@ class ChatChoiceLogprobs(_Response):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCallOutput(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOutput
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(_Response):
@@ -445,7 +619,9 @@ class ChatCompletionResponse(_Response):
 
 class ChatCompletionStreamChoice(_Response):
     index: int
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
+    # {"role": "assistant", "content": ""} first, then {"content": ...} or
+    # {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}
+    delta: dict[str, Any]
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

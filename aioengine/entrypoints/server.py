@@ -57,7 +57,6 @@ from aioengine.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
-    ChatResponseMessage,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -304,6 +303,7 @@ async def chat_completions(request: Request) -> Response:
     req.check_supported()
     prompt_ids = await serving.chat_prompt(req)
     params = serving.sampling_params(req, len(prompt_ids))
+    await serving.prepare_structured_outputs(req, params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = RequestGroup(serving)
     group.add(serving.add_request(request_id, prompt_ids, params, req))
@@ -332,9 +332,10 @@ async def _chat_full(serving: OpenAIServing, req: ChatCompletionRequest, request
         if req.logprobs and c.logprobs is not None:
             logprobs = ChatChoiceLogprobs(content=serving.chat_logprobs(
                 c.token_ids, c.logprobs, req.top_logprobs or 0))
+        message, finish_reason = serving.chat_message(req, c)
         choices.append(ChatCompletionChoice(
-            index=index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            index=index, message=message, logprobs=logprobs,
+            finish_reason=finish_reason, stop_reason=c.stop_reason))
     completion_tokens = sum(len(c.token_ids) for c in final.values())
     body = ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices,
                                   usage=make_usage(prompt_len, completion_tokens, cached))
@@ -354,6 +355,9 @@ async def _chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, reque
                                                 delta={"role": "assistant", "content": ""})])
     num_tokens: dict[int, int] = {}
     cached = 0
+    # With tools, each choice's text goes through its tool-call parser: content
+    # deltas, then delta.tool_calls (id and name once, then argument fragments).
+    streamers = {index: serving.tool_call_streamer(req) for index in range(n)}
     try:
         async for _, out in group:
             cached = out.num_cached_tokens
@@ -366,9 +370,20 @@ async def _chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, reque
                     ids, entries = _delta_logprobs(c)
                     logprobs = ChatChoiceLogprobs(content=serving.chat_logprobs(
                         ids, entries, req.top_logprobs or 0))
+                delta: dict[str, Any] = {"content": c.delta_text}
+                finish_reason = c.finish_reason
+                streamer = streamers[c.index]
+                if streamer is not None:
+                    content, calls = (streamer.finish(c.text) if c.finish_reason
+                                      else streamer.update(c.text))
+                    delta = {"content": content} if content or not calls else {}
+                    if calls:
+                        delta["tool_calls"] = calls
+                    if finish_reason == "stop" and streamer.tool_calls:
+                        finish_reason = "tool_calls"
                 yield chunk([ChatCompletionStreamChoice(
-                    index=c.index, delta={"content": c.delta_text}, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    index=c.index, delta=delta, logprobs=logprobs,
+                    finish_reason=finish_reason, stop_reason=c.stop_reason)])
     except EngineDeadError as exc:
         yield _sse(APIError(503, str(exc), None, "engine_unavailable").body())
         yield _SSE_DONE
@@ -389,6 +404,7 @@ async def completions(request: Request) -> Response:
     prompts = await serving.completion_prompts(req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     plan = [(ids, text, serving.sampling_params(req, len(ids))) for ids, text in prompts]
+    await serving.prepare_structured_outputs(req, plan[0][2])
     group = RequestGroup(serving)
     try:
         for i, (ids, _, params) in enumerate(plan):
@@ -602,7 +618,8 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               max_ws_requests: int = DEFAULT_MAX_WS_REQUESTS,
               web_dir: str | Path | None = None,
-              allowed_origins: list[str] | None = None) -> Starlette:
+              allowed_origins: list[str] | None = None,
+              tool_call_parser: str = "auto") -> Starlette:
     """The Starlette app; its lifespan starts and stops the engine (then
     ``app.state.serving`` is the ``OpenAIServing`` and ``app.state.load_time``
     the engine's load time in seconds; if the start fails, the exception is
@@ -622,6 +639,8 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
             ``"*"``) allowed cross-origin: CORS headers for them, and their
             WebSocket handshakes. None or empty: CORS off, WebSockets only
             from this server's own pages or from non-browser clients.
+        tool_call_parser: the model's tool-call format (``tools/parsers.py``),
+            ``auto`` to pick it from the chat template.
     """
     from aioengine.engine.async_engine import AsyncEngine
     from aioengine.entrypoints.metrics import EngineMetrics
@@ -639,7 +658,7 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
             app.state.startup_error = exc
             logger.debug("the engine failed to start", exc_info=True)
             raise
-        app.state.serving = OpenAIServing(engine)
+        app.state.serving = OpenAIServing(engine, tool_call_parser)
         app.state.metrics = EngineMetrics(engine)
         app.state.load_time = time.perf_counter() - t0
         try:

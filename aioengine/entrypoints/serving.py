@@ -24,13 +24,23 @@ from aioengine.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatLogprobEntry,
+    ChatResponseMessage,
     CompletionLogprobs,
     CompletionRequest,
     SamplingRequest,
+    ToolCall,
     TopLogprob,
     model_not_found,
 )
-from aioengine.sampling_params import RequestOutput, SamplingParamError, SamplingParams
+from aioengine.sampling_params import (
+    CompletionOutput,
+    RequestOutput,
+    SamplingParamError,
+    SamplingParams,
+)
+from aioengine.structured.params import GrammarError
+from aioengine.tools.parsers import TOOL_PARSERS, ToolCallStreamer, parser_for_template
+from aioengine.tools.prompt import inject_tools, template_supports_tools
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +53,17 @@ class OpenAIServing:
 
     Args:
         engine: a started ``AsyncEngine``.
+        tool_call_parser: the model's tool-call format, or ``auto`` (from the
+            chat template).
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, tool_call_parser: str = "auto") -> None:
         self.engine = engine
+        template = getattr(engine.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        self.template_supports_tools = template_supports_tools(template)
+        self.tool_call_parser = (parser_for_template(template) if tool_call_parser == "auto"
+                                 else tool_call_parser)
         self.model_name = engine.served_model_name
         self.max_model_len = engine.max_model_len
         self._token_str_cache: dict[int, str] = {}
@@ -74,6 +91,12 @@ class OpenAIServing:
             APIError: 400 when the template rejects the messages.
         """
         messages = [m.to_template_dict() for m in request.messages]
+        tools = None
+        if request.effective_tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
+        if not self.template_supports_tools:
+            messages = inject_tools(messages, tools)
+            tools = None
         if request.continue_final_message:
             if request.add_generation_prompt:
                 raise APIError(400, "'continue_final_message' and 'add_generation_prompt' "
@@ -81,7 +104,8 @@ class OpenAIServing:
             return await self._continuation_prompt(messages)
         add_generation_prompt = request.add_generation_prompt is not False
         try:
-            return await self.engine.apply_chat_template(messages, add_generation_prompt)
+            return await self.engine.apply_chat_template(messages, add_generation_prompt,
+                                                         tools=tools)
         except ValueError as exc:
             raise APIError(400, str(exc), "messages", "invalid_value") from None
 
@@ -129,6 +153,49 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingRequest, prompt_len: int) -> SamplingParams:
         return request.to_sampling_params(self.default_max_tokens(prompt_len))
+
+    async def prepare_structured_outputs(self, request: SamplingRequest,
+                                         params: SamplingParams) -> None:
+        """Compile the request's output constraint (in the grammar thread, cached)
+        before it is queued.
+
+        Raises:
+            APIError: 400 naming the field whose schema, regex or grammar the
+                grammar library cannot compile.
+        """
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.engine.compile_grammar(params.structured_outputs)
+        except GrammarError as exc:
+            field = request.structured_outputs_params()[1]
+            raise APIError(400, f"'{field}' cannot be compiled to a grammar: {exc}", field,
+                           "invalid_grammar") from None
+
+    # -- tool calls ------------------------------------------------------------------------
+    def tool_call_streamer(self, request: ChatCompletionRequest) -> ToolCallStreamer | None:
+        """A parser of the answer's tool calls, or None when it can hold none
+        (no tools, ``tool_choice: none``). A forced call is the grammar's JSON."""
+        choice = request.effective_tool_choice
+        if choice == "none":
+            return None
+        name = self.tool_call_parser if choice == "auto" else "json"
+        return ToolCallStreamer(TOOL_PARSERS[name]())
+
+    def chat_message(self, request: ChatCompletionRequest, c: CompletionOutput
+                     ) -> tuple[ChatResponseMessage, str | None]:
+        """The assistant message of a finished choice and its ``finish_reason``
+        (``tool_calls`` when the answer holds calls and was not cut by length)."""
+        streamer = self.tool_call_streamer(request)
+        if streamer is None:
+            return ChatResponseMessage(content=c.text), c.finish_reason
+        streamer.finish(c.text)
+        calls = [ToolCall(**call) for call in streamer.tool_calls]
+        finish = c.finish_reason
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return ChatResponseMessage(content=streamer.content or None if calls else c.text,
+                                   tool_calls=calls), finish
 
     # -- engine requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -216,11 +216,16 @@ class WebSocketSession:
                     prompt_ids = prompts[0][0]
                 prompt_len = len(prompt_ids)
                 params = self.serving.sampling_params(req, prompt_len)
+                await self.serving.prepare_structured_outputs(req, params)
                 engine_id = f"ws-{id(self):x}-{client_id}"
                 group.add(self.serving.add_request(engine_id, prompt_ids, params, req))
             except APIError as exc:
                 await self.send_error(exc.message, exc.status, client_id, exc.param)
                 return
+            # Chat with tools: "delta" messages also carry OpenAI-shaped "tool_calls"
+            # fragments, and "done" the complete calls (docs/websocket.md).
+            streamer = (self.serving.tool_call_streamer(req)
+                        if isinstance(req, ChatCompletionRequest) else None)
             try:
                 async for _, out in group:
                     cached = out.num_cached_tokens
@@ -230,10 +235,21 @@ class WebSocketSession:
                         t_first = time.perf_counter()
                     if c.delta_text or c.delta_token_ids:
                         text_parts.append(c.delta_text)
-                        await self.send({"type": "delta", "id": client_id, "text": c.delta_text,
-                                         "token_ids": c.delta_token_ids})
+                        delta: dict[str, Any] = {"type": "delta", "id": client_id,
+                                                 "text": c.delta_text,
+                                                 "token_ids": c.delta_token_ids}
+                        if streamer is not None:
+                            content, calls = (streamer.finish(c.text) if c.finish_reason
+                                              else streamer.update(c.text))
+                            delta["content"] = content
+                            if calls:
+                                delta["tool_calls"] = calls
+                        await self.send(delta)
                     if c.finish_reason is not None:
                         finish_reason, stop_reason = c.finish_reason, c.stop_reason
+                        if (streamer is not None and streamer.tool_calls
+                                and finish_reason == "stop"):
+                            finish_reason = "tool_calls"
             except asyncio.CancelledError:
                 if self.closing:
                     raise
@@ -250,7 +266,8 @@ class WebSocketSession:
                 "stop_reason": stop_reason, "text": "".join(text_parts),
                 "usage": make_usage(prompt_len, num_tokens, cached).model_dump(),
                 "ttft_s": None if t_first is None else t_first - t_start,
-                "tokens_per_s": tokens_per_s})
+                "tokens_per_s": tokens_per_s,
+                **({"tool_calls": streamer.tool_calls} if streamer is not None else {})})
         except asyncio.CancelledError:
             if self.closing:
                 raise

@@ -61,7 +61,15 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
 class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
     """One step's work. ``num_scheduled_tokens`` lists new requests first, then
-    cached ones, in the order given."""
+    cached ones, in the order given.
+
+    ``grammar_bitmask`` (structured outputs) is the packed
+    ``int32 [len(structured_output_request_ids), ceil(vocab / 32)]`` mask as
+    the grammar library fills it, as raw bytes: row ``i`` says which tokens
+    ``structured_output_request_ids[i]`` may sample this step (bit ``j % 32``
+    of word ``j // 32`` for token ``j``). Only constrained requests that
+    sample in this step have a row; a step without any carries ``None``.
+    """
 
     step_id: int
     scheduled_new_reqs: list[NewRequestData]
@@ -69,6 +77,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
     num_scheduled_tokens: list[int]
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
+    structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: bytes | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

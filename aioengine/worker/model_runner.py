@@ -42,6 +42,23 @@ class CachedRequestState:
     generator: torch.Generator
 
 
+def grammar_bitmask_rows(so: SchedulerOutput, sampling_states: list[CachedRequestState]
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rows, bitmask)`` for ``SamplingBatch.grammar_bitmask``: the rows of
+    ``sampling_states`` that ``so.grammar_bitmask`` constrains, or None (the
+    step has no constrained request: nothing is decoded or copied)."""
+    if so.grammar_bitmask is None:
+        return None
+    ids = so.structured_output_request_ids
+    bitmask = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(ids), -1)
+    row_of = {s.req_id: i for i, s in enumerate(sampling_states)}
+    keep = [(row_of[r], k) for k, r in enumerate(ids) if r in row_of]
+    if not keep:
+        return None
+    rows, picks = zip(*keep)
+    return torch.tensor(rows, dtype=torch.int64), torch.from_numpy(bitmask[list(picks)])
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor whose pages are not touched until written.
 
@@ -217,7 +234,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices)])
             sampling_states = [s for s, m in zip(states, sampling_mask) if m]
             if logits is not None:
-                tokens, logprobs = sample(logits, self._sampling_batch(sampling_states))
+                batch = self._sampling_batch(sampling_states)
+                batch.grammar_bitmask = grammar_bitmask_rows(so, sampling_states)
+                tokens, logprobs = sample(logits, batch)
             else:  # a tensor-parallel rank other than 0: rank 0 samples
                 tokens, logprobs = torch.empty(len(logits_indices), dtype=torch.int64), None
             if self.model.tp_size > 1:

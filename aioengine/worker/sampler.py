@@ -36,6 +36,8 @@ class SamplingBatch:
         num_logprobs: per row, -1 for none.
         logit_bias: ``(rows, token_ids, biases)`` or None.
         min_tokens_mask: ``(rows, token_ids)`` to set to -inf, or None.
+        grammar_bitmask: ``(rows [k] int64, bitmask [k, ceil(vocab / 32)] int32)``
+            of the structured-output rows, or None (structured outputs).
     """
 
     temperature: torch.Tensor
@@ -52,6 +54,7 @@ class SamplingBatch:
     prompt_token_ids: torch.Tensor | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     all_greedy: bool = False
     need_top_k: bool = False
     need_top_p: bool = False
@@ -65,6 +68,28 @@ def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     ids = torch.where(token_ids < 0, vocab_size, token_ids)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor,
+                          bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit a grammar forbids, for all
+    constrained rows at once.
+
+    Args:
+        logits: ``[num_reqs, vocab]``.
+        rows: ``[k]`` int64, the constrained rows of ``logits``.
+        bitmask: ``[k, ceil(vocab_mask / 32)]`` int32, xgrammar's packed layout
+            (bit ``j % 32`` of word ``j // 32`` allows token ``j``). Logit
+            columns past the mask's width (padding of the embedding) are forbidden.
+    """
+    k, vocab = rows.shape[0], logits.shape[1]
+    allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).bool().reshape(k, -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -130,6 +155,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch
         logits[rows, ids] = float("-inf")
     if batch.need_penalties:
         logits = apply_penalties(logits, batch)
+    if batch.grammar_bitmask is not None:
+        # Last, so greedy argmax and the draw below both see it.
+        apply_grammar_bitmask(logits, *batch.grammar_bitmask)
 
     if batch.all_greedy:
         tokens = logits.argmax(-1)
