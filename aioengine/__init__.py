@@ -3,6 +3,7 @@ caching, continuous batching, OpenAI API over SSE and WebSocket)."""
 
 from aioengine.config import EngineConfig
 from aioengine.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from aioengine.structured.params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -11,6 +12,7 @@ __all__ = [
     "EngineConfig",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"
 

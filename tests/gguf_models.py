@@ -20,7 +20,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from aioengine.config import default_model_path
-from aioengine.models.gguf_loader import GGUFFile
+from aioengine.models.gguf_file import GGUFFile
 
 QT = GGMLQuantizationType
 

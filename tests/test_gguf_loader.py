@@ -40,15 +40,15 @@ from parity import assert_greedy_parity, hf_greedy
 from aioengine import LLM, SamplingParams
 from aioengine.config import default_model_path
 from aioengine.models import loader
+from aioengine.models.gguf_file import SUPPORTED_TENSOR_TYPES, GGUFFile, SkippedArray
 from aioengine.models.gguf_loader import (
-    GGUFFile,
-    SkippedArray,
     check_gguf_model,
     hf_config_dict,
     load_gguf_weights,
+    raw_tensor,
     unpermute_rows,
 )
-from triton_kernels.quant import QuantizedWeight
+from triton_kernels.quant import SUPPORTED_QTYPES, QuantizedWeight
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Explain gravity to a child."]
@@ -91,8 +91,25 @@ def test_header_equals_gguf_reader(which, tiny):
         assert info.ggml_type == t.tensor_type
         assert info.shape == tuple(reversed(t.shape.tolist()))
         assert (info.offset, info.nbytes) == (t.data_offset, t.n_bytes)
-        raw = ours.raw_tensor(t.name).numpy().reshape(-1)
+        raw = raw_tensor(ours, t.name).numpy().reshape(-1)
         assert np.array_equal(raw, np.asarray(t.data).reshape(-1).view(np.uint8)), t.name
+
+
+def test_header_reader_knows_the_kernels_formats_without_importing_them():
+    assert SUPPORTED_TENSOR_TYPES == (QT.F32, *SUPPORTED_QTYPES)
+
+
+def test_checking_a_gguf_model_imports_no_torch():
+    """The engine process checks the file before it starts the worker; torch would delay
+    the start by seconds."""
+    code = ("import sys; from aioengine.models.loader import inspect_model; "
+            "from aioengine.config import default_model_path; "
+            "print(inspect_model(default_model_path()).describe()); "
+            "print('torch' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split("\n")
+    assert out[:2] == ["gguf weights Q4_1 x210, F32 x61, Q8_0 x1", "False"], out
 
 
 def test_string_arrays_are_skipped_unless_asked_for():
@@ -326,3 +343,24 @@ def test_serve_prints_one_line_for_an_unsupported_tensor_type(tmp_path, tokenize
     assert lines == [f"aioengine: error: {path}: tensor 'blk.0.extra.weight' is stored as "
                      f"IQ2_XS, which aioengine cannot run; supported: F32, Q8_0, Q4_0, Q4_1, "
                      f"Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16"], proc.stderr
+
+
+def test_llama3_rope_freqs_tensor_divides_the_rotary_frequencies(tmp_path, tokenizer_meta):
+    """convert_hf_to_gguf writes llama3 RoPE scaling as a ``rope_freqs`` tensor of
+    per-frequency divisors (llama.cpp's ggml_rope_ext: theta / freq_factor)."""
+    from types import SimpleNamespace
+
+    from aioengine.models.llama import LlamaArch, LlamaForCausalLM
+
+    shape = TinyLlama(layers=1)
+    factors = np.linspace(1.0, 8.0, shape.head_dim // 2, dtype=np.float32)
+    path = _tiny_with(tmp_path, tokenizer_meta,
+                      extra_tensors={"rope_freqs.weight": (factors, QT.F32)})
+    f = GGUFFile.read(str(path))
+    config = check_gguf_model(f)
+    arch = LlamaArch.from_hf_config(SimpleNamespace(**config))
+    model = LlamaForCausalLM(arch, load_gguf_weights(f, config), torch.float32, 64)
+    inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, shape.head_dim, 2).float()
+                                          / shape.head_dim) / torch.from_numpy(factors)
+    angles = torch.outer(torch.arange(64).float(), inv_freq)
+    torch.testing.assert_close(model.rotary.cos[:, :shape.head_dim // 2], angles.cos())

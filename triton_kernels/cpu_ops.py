@@ -254,8 +254,13 @@ def weight_parts(weight) -> tuple[list[torch.Tensor], list[int], int] | None:
     """
     from .quant import QuantizedWeight  # quant imports this module
 
+    if isinstance(weight, QuantizedWeight):  # the common case, kept short (once per call)
+        if weight.data.device.type != "cpu":
+            return None
+        return [weight.data], [weight.qtype.value], weight.shape[1]
     parts: list[torch.Tensor] = []
     qtypes: list[int] = []
+    widths: set[int] = set()
 
     def add(w) -> bool:
         if isinstance(w, tuple):
@@ -264,26 +269,20 @@ def weight_parts(weight) -> tuple[list[torch.Tensor], list[int], int] | None:
             if w.data.device.type != "cpu":
                 return False
             parts.append(w.data)
-            qtypes.append(int(w.qtype))
+            qtypes.append(w.qtype.value)
+            widths.add(w.shape[1])
             return True
         if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32
                 and w.device.type == "cpu" and not w.is_neg() and w.stride(-1) == 1):
             parts.append(w)
             qtypes.append(0)
+            widths.add(int(w.shape[1]))
             return True
         return False
 
-    if not add(weight) or not parts:
+    if not add(weight) or len(widths) != 1:
         return None
-    cols = {int(p.shape[1]) if q == 0 else int(_cols(p, q)) for p, q in zip(parts, qtypes)}
-    return (parts, qtypes, cols.pop()) if len(cols) == 1 else None
-
-
-def _cols(data: torch.Tensor, qtype: int) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-    return data.shape[1] // type_size * block_size
+    return parts, qtypes, widths.pop()
 
 
 class LlamaDecodeLayers:

@@ -174,8 +174,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 
 def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
     """The C++ path, or None where it does not apply."""
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] == 0
-            or (torch.is_grad_enabled() and x.requires_grad)):
+    if (x.dtype != torch.float32 or x.device.type != "cpu"
+            or (x.requires_grad and torch.is_grad_enabled())):
         return None
     if bias is not None and not (bias.dtype == torch.float32 and bias.device.type == "cpu"
                                  and bias.dim() == 1 and not bias.requires_grad):
@@ -185,15 +185,14 @@ def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
     if spec is None:
         return None
     parts, qtypes, cols = spec
-    rows = sum(int(p.shape[0]) for p in parts)
-    if cols != x.shape[-1] or (bias is not None and bias.shape[0] != rows):
+    rows = sum(p.shape[0] for p in parts)
+    if cols != x.shape[-1] or cols == 0 or (bias is not None and bias.shape[0] != rows):
         return None  # let the torch path raise its usual shape error
-    x2 = x.reshape(-1, cols)
+    x2 = x if x.dim() == 2 else x.reshape(-1, cols)
     if x2.stride(-1) != 1 or x2.is_neg():
         x2 = x2.contiguous()
-    out = ops.quant_linear(x2, parts, qtypes, cols,
-                           None if bias is None else bias.contiguous())
-    return out.reshape(*x.shape[:-1], rows)
+    out = ops.quant_linear(x2, parts, qtypes, cols, None if bias is None else bias.contiguous())
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], rows)
 
 
 def _cuda_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:

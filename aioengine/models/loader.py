@@ -10,7 +10,8 @@
   quantized at load to GGML block formats (``QUANTIZATION_FORMATS``).
 
 The forward pass is ours (``aioengine.models.llama``); transformers only supplies
-config, tokenizer and chat template.
+config, tokenizer and chat template. Importing this module imports no torch: the
+engine process checks the model (``inspect_model``) before it starts a worker.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from gguf import GGMLQuantizationType
 
-from triton_kernels.quant import GGMLQuantizationType, QuantizedWeight
+if TYPE_CHECKING:
+    import torch
+
+    from triton_kernels.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +61,13 @@ def is_gguf(model_path: str) -> bool:
 
 @functools.lru_cache(maxsize=4)
 def _gguf_header(path: str, mtime_ns: int, size: int):
-    from aioengine.models.gguf_loader import GGUFFile
+    from aioengine.models.gguf_file import GGUFFile
 
     return GGUFFile.read(path)
 
 
 def gguf_file(model_path: str):
-    """The parsed header of a GGUF file (``gguf_loader.GGUFFile``), cached per process
+    """The parsed header of a GGUF file (``gguf_file.GGUFFile``), cached per process
     while the file is unchanged. Raises FileNotFoundError / ValueError (see ``read``)."""
     st = os.stat(model_path)
     return _gguf_header(os.path.realpath(model_path), st.st_mtime_ns, st.st_size)
@@ -296,6 +300,8 @@ def load_weights(model_path: str, hf_config, dtype: torch.dtype, quantization: s
         f = gguf_file(model_path)
         return load_gguf_weights(f, check_gguf_model(f))
     from safetensors import safe_open
+
+    from triton_kernels.quant import QuantizedWeight
 
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     weights: dict[str, Any] = {}
