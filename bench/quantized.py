@@ -230,18 +230,20 @@ def llama_env(args: argparse.Namespace) -> dict[str, str]:
 
 def worker_pids(server_pid: int) -> list[int]:
     """The server's spawned model workers (multiprocessing's ``spawn_main``
-    children, its resource tracker aside)."""
+    children, its resource tracker aside), the serving one first and the
+    standby (``aioengine-sby0``) last."""
     import psutil
 
     pids = []
     for child in psutil.Process(server_pid).children(recursive=True):
         try:
             cmdline = " ".join(child.cmdline())
+            standby = child.name().startswith("aioengine-sby")
         except psutil.Error:
             continue
         if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
-            pids.append(child.pid)
-    return pids
+            pids.append((standby, child.pid))
+    return [pid for _, pid in sorted(pids)]
 
 
 def memory_mib(pid: int) -> dict:
