@@ -86,7 +86,10 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor,
             columns past the mask's width (padding of the embedding) are forbidden.
     """
     k, vocab = rows.shape[0], logits.shape[1]
-    allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).bool().reshape(k, -1)
+    device = logits.device
+    rows, bitmask = rows.to(device), bitmask.to(device, non_blocking=True)
+    shifts = _BIT_SHIFTS if device.type == "cpu" else _BIT_SHIFTS.to(device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(k, -1)
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
