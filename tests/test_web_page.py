@@ -173,12 +173,22 @@ class StubEngine:
         self.ws.send(json.dumps({"type": "delta", "id": self.last_id, "text": text,
                                  "token_ids": [0]}))
 
-    def done(self, text: str, finish_reason: str = "stop", request_id: str | None = None) -> None:
+    def delta_tools(self, text: str, content: str, tool_calls: list[dict] | None = None) -> None:
+        """A ``delta`` of a chat with ``tools``: its prose part and tool-call fragments."""
+        self.sent[self.last_id] += text
+        msg = {"type": "delta", "id": self.last_id, "text": text, "token_ids": [0],
+               "content": content}
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        self.ws.send(json.dumps(msg))
+
+    def done(self, text: str, finish_reason: str = "stop", request_id: str | None = None,
+             **extra: object) -> None:
         self.ws.send(json.dumps({
             "type": "done", "id": request_id or self.last_id, "finish_reason": finish_reason,
             "stop_reason": None, "text": text, "ttft_s": 0.05, "tokens_per_s": 25.0,
             "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19,
-                      "prompt_tokens_details": {"cached_tokens": 0}}}))
+                      "prompt_tokens_details": {"cached_tokens": 0}}, **extra}))
 
     def answer(self, text: str) -> None:
         for i in range(0, len(text), self.chunk):
@@ -629,6 +639,124 @@ def test_regenerate_replaces_the_answer_and_edit_resends(server, chat: ChatPage)
     assert _conversation(page) == [("user", "Tell me a riddle"), ("assistant", "Partial")]
     assert "stopped" in chat.last_answer().locator(".meta").inner_text()
     assert page.is_visible("#send") and page.is_hidden("#stop")
+    assert not chat.errors and not chat.dialogs
+
+
+# Two calls as a tool-call parser streams them (docs/websocket.md): the first
+# fragment with index, id, type and name, then pieces of the arguments. The
+# second call's name and arguments carry markup that would run if parsed as HTML.
+TOOL_PROSE = "Let me look that up."
+HOSTILE_NAME = "lookup<script>window.__pwned='name'</script>"
+TOOL_CALLS = [
+    {"id": "call_wx1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}},
+    {"id": "call_xss2", "type": "function",
+     "function": {"name": HOSTILE_NAME,
+                  "arguments": '{"q": "<img src=x onerror=\\"window.__pwned=\'img\'\\">", '
+                               '"html": "<script>window.__pwned=\'script\'</script>", '
+                               '"n": [1, 2]}'}},
+]
+
+
+def _shown_calls(answer) -> list[tuple[str, str, str]]:
+    """(name, id, arguments) of every tool-call element of ``answer``, as shown."""
+    return [tuple(c) for c in answer.locator(".tool-call").evaluate_all(
+        """(calls) => calls.map((c) => [c.querySelector('.tool-name').textContent,
+            c.querySelector('.tool-id').textContent,
+            c.querySelector('.tool-args').textContent])""")]
+
+
+def _args(index: int, piece: str) -> list[dict]:
+    """A delta's fragment of call ``index``: a piece of its arguments."""
+    return [{"index": index, "function": {"arguments": piece}}]
+
+
+def test_tool_calls_show_as_their_own_elements_and_survive_reload(server, chat: ChatPage):
+    page = chat.page
+    page.add_init_script(WATCH_DOM)
+    stub = _open_stubbed(chat, server)
+    chat.ask("What is the weather in Paris?")
+    stub.wait_requests(1)
+    answer = chat.last_answer()
+
+    # Mid-stream: the first call is an element whose arguments grow as they come.
+    first_args = TOOL_CALLS[0]["function"]["arguments"]
+    stub.delta_tools(TOOL_PROSE, TOOL_PROSE)
+    stub.delta_tools('<tool_call>{"name": "get_weather", "arguments": ', "",
+                     [{"index": 0, "id": "call_wx1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": ""}}])
+    stub.delta_tools(first_args[:9], "", _args(0, first_args[:9]))
+    page.wait_for_function("() => document.querySelector('.tool-call .tool-args')"
+                           "?.textContent === '{\"city\": '")
+    assert _shown_calls(answer) == [("get_weather", "call_wx1", '{"city": ')]
+    stub.delta_tools(first_args[9:], "", _args(0, first_args[9:]))
+    page.wait_for_function(f"() => document.querySelector('.tool-call .tool-args')"
+                           f"?.textContent === {json.dumps(first_args)}")
+    assert answer.get_attribute("data-finish") is None
+    assert answer.locator(".content").inner_text() == TOOL_PROSE
+
+    # The rest of the stream: the second, hostile call, fragment by fragment.
+    stub.delta_tools("}</tool_call>", "")
+    call = TOOL_CALLS[1]
+    stub.delta_tools("<tool_call>", "", [{"index": 1, "id": call["id"], "type": "function",
+                                          "function": {"name": call["function"]["name"],
+                                                       "arguments": ""}}])
+    args = call["function"]["arguments"]
+    for i in range(0, len(args), 5):
+        stub.delta_tools(args[i:i + 5], "", _args(1, args[i:i + 5]))
+        if i % 25 == 0:
+            page.wait_for_timeout(5)  # let frames render half-written markup
+    page.wait_for_function(f"() => document.querySelectorAll('.tool-call .tool-args')[1]"
+                           f"?.textContent === {json.dumps(args)}")
+    raw = (f"{TOOL_PROSE}<tool_call>{json.dumps(TOOL_CALLS[0]['function'])}</tool_call>"
+           f"<tool_call>{json.dumps(call['function'])}</tool_call>")
+    stub.done(raw, "tool_calls", tool_calls=TOOL_CALLS)
+    chat.wait_answer_done()
+    page.wait_for_timeout(300)  # time for an error handler to fire, if any
+
+    pretty = [(c["function"]["name"], c["id"],
+               json.dumps(json.loads(c["function"]["arguments"]), indent=2, ensure_ascii=False))
+              for c in TOOL_CALLS]
+    assert "\n  " in pretty[0][2]
+
+    def check_page() -> None:
+        assert _shown_calls(answer) == pretty
+        # The calls are their own elements, not part of the Markdown text.
+        assert answer.locator(".content").inner_text() == TOOL_PROSE
+        assert answer.locator(".content .tool-call").count() == 0
+        assert answer.locator(".tool-call h3.tool-name").count() == 2
+        assert page.evaluate("window.__pwned") is None
+        assert page.evaluate("window.__bad") == []
+        assert page.evaluate("window.__violations") == []
+        assert page.locator("#messages :is(script, img, iframe, svg, style)").count() == 0
+
+    assert answer.get_attribute("data-finish") == "tool_calls"
+    check_page()
+    stored = page.evaluate("window.aioChat.store.active.messages.at(-1)")
+    assert stored["content"] == TOOL_PROSE and stored["tool_calls"] == TOOL_CALLS
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "web_tool_calls.png"))
+
+    # After a reload the calls come back from localStorage, shown the same way.
+    page.reload()
+    chat.wait_ready()
+    answer = chat.last_answer()
+    assert _conversation(page) == [("user", "What is the weather in Paris?"),
+                                   ("assistant", TOOL_PROSE)]
+    page.wait_for_timeout(300)
+    check_page()
+
+    # The next question sends the turn with its calls, in OpenAI's shape.
+    stub.answers.append("It is sunny.")
+    chat.ask("Thanks")
+    request = stub.wait_requests(2)
+    assert request["messages"] == [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": TOOL_PROSE, "tool_calls": TOOL_CALLS},
+        {"role": "user", "content": "Thanks"}]
+    _wait_settled(page)
+    assert page.locator(".tool-call").count() == 2
+    assert page.locator(".msg.assistant").last.locator(".tool-call").count() == 0
     assert not chat.errors and not chat.dialogs
 
 

@@ -4,12 +4,14 @@
 // no build step, nothing fetched from elsewhere.
 //
 // Safety: user text reaches the page only as DOM text (textContent); model
-// answers only through markdown.js (marked, then DOMPurify, then DOM nodes).
+// answers only through markdown.js (marked, then DOMPurify, then DOM nodes), and
+// their tool calls (tool_calls.js) only as textContent.
 // No innerHTML anywhere in the page's own code; Trusted Types enforce that.
 
 import { ConversationStore, CONVERSATIONS_KEY } from "./conversations.js";
 import { EnginePanel } from "./engine_panel.js";
 import { MarkdownView, copyText, renderMarkdown } from "./markdown.js";
+import { ToolCallsView, applyFragments, cleanCalls } from "./tool_calls.js";
 
 const $ = (id) => document.getElementById(id);
 const el = {
@@ -44,7 +46,7 @@ const state = {
   apiKey: sessionStorage.getItem(KEY_STORAGE) || localStorage.getItem(KEY_STORAGE) || "",
   reconnectDelay: 500,
   reconnectTimer: null,
-  current: null,            // the answer being streamed: {id, conv, text, view, md, ...}
+  current: null,            // the answer being streamed: {id, conv, text, view, md, calls, ...}
   editing: false,           // the last user message is open for editing
   renamingId: null,         // the conversation whose title is being edited
   confirmDeleteId: null,    // a conversation whose delete button asks "Delete?"
@@ -91,6 +93,11 @@ function viewOf(msg) {
     actions: msg.querySelector(".msg-actions") };
 }
 
+/** Shows a finished answer's tool calls, each its own element below its text. */
+function showToolCalls(view, calls) {
+  if (calls && calls.length) new ToolCallsView(view.msg, view.meta).render(calls, true);
+}
+
 function fmt(x, digits) {
   return x === null || x === undefined ? "–" : Number(x).toFixed(digits);
 }
@@ -107,7 +114,8 @@ function setMeta(meta, parts, extraClass) {
   }
 }
 
-const FINISH_LABEL = { stop: "", length: "max tokens reached", abort: "stopped" };
+const FINISH_LABEL = { stop: "", tool_calls: "", length: "max tokens reached",
+  abort: "stopped" };
 
 /** The figures of a `done` message worth keeping with the answer. */
 function doneMeta(done) {
@@ -148,6 +156,7 @@ function renderConversation() {
   el.empty.hidden = messages.length > 0;
   messages.forEach((m, i) => {
     const view = addBubble(m.role, m.content, i);
+    if (m.role === "assistant") showToolCalls(view, m.tool_calls);
     if (m.role === "assistant" && m.meta) showDone(view, m.meta);
   });
   refreshActions();
@@ -338,7 +347,16 @@ function buildMessages(conv) {
   const messages = [];
   const system = el.system.value.trim();
   if (system) messages.push({ role: "system", content: system });
-  for (const m of conv.messages) messages.push({ role: m.role, content: m.content });
+  for (const m of conv.messages) {
+    if (m.role === "assistant" && m.tool_calls && m.tool_calls.length) {
+      // OpenAI's shape: the calls with the turn, content null when it had no prose.
+      messages.push({ role: m.role, content: m.content || null,
+        tool_calls: m.tool_calls.map((c) => ({ id: c.id, type: "function",
+          function: { name: c.function.name, arguments: c.function.arguments } })) });
+    } else {
+      messages.push({ role: m.role, content: m.content });
+    }
+  }
   return messages;
 }
 
@@ -373,7 +391,10 @@ function startAnswer(conv) {
   view.msg.classList.add("streaming");
   view.msg.dataset.requestId = id;
   setMeta(view.meta, [["status", "waiting for the first token…"]]);
-  state.current = { id, conv, text: "", view, md: new MarkdownView(view.content),
+  // text: the raw answer; prose: its `content` part when the server splits
+  // tool calls out of it (a request with tools), then shown instead of text.
+  state.current = { id, conv, text: "", prose: "", split: false, calls: [], view,
+    md: new MarkdownView(view.content), tools: new ToolCallsView(view.msg, view.meta),
     renderPending: false };
   state.ws.send(JSON.stringify(message));
   setStreaming(true);
@@ -519,9 +540,9 @@ function abandonCurrent() {
   const cur = state.current;
   if (!cur) return;
   stop();
-  if (cur.text) {
-    cur.conv.messages.push({ role: "assistant", content: cur.text,
-      meta: { finish_reason: "abort", usage: null, ttft_s: null, tokens_per_s: null } });
+  if (cur.text || cur.calls.length) {
+    cur.conv.messages.push(answerMessage(cur.calls.length ? shownText(cur) : cur.text, cur.calls,
+      { finish_reason: "abort", usage: null, ttft_s: null, tokens_per_s: null }));
     persisted(store.touch(cur.conv));
   }
   finishCurrent();
@@ -536,6 +557,18 @@ function newChat() {
   el.prompt.focus();
 }
 
+/** The Markdown shown for a streaming answer: its prose when tool calls are split out. */
+function shownText(cur) {
+  return cur.split ? cur.prose : cur.text;
+}
+
+/** An answer as the conversation keeps it (tool_calls only when it made some). */
+function answerMessage(content, calls, meta) {
+  const message = { role: "assistant", content, meta };
+  if (calls && calls.length) message.tool_calls = calls;
+  return message;
+}
+
 // Lexing and rendering again is cheap at chat sizes; one render per frame
 // keeps fast streams smooth.
 function scheduleRender(cur) {
@@ -545,7 +578,8 @@ function scheduleRender(cur) {
     cur.renderPending = false;
     if (state.current !== cur) return;
     const stick = nearBottom();
-    cur.md.update(cur.text);
+    cur.md.update(shownText(cur));
+    cur.tools.render(cur.calls, false);
     if (stick) scrollToBottom();
   });
 }
@@ -557,18 +591,27 @@ function onDelta(msg) {
   if (!cur || msg.id !== cur.id) return;
   if (!cur.text && msg.text) setMeta(cur.view.meta, [["status", "streaming…"]]);
   cur.text += msg.text || "";
+  if (typeof msg.content === "string") {
+    cur.split = true;
+    cur.prose += msg.content;
+  }
+  if (msg.tool_calls) applyFragments(cur.calls, msg.tool_calls);
   scheduleRender(cur);
 }
 
 function onDone(msg) {
   const cur = state.current;
   if (!cur || msg.id !== cur.id) return;
-  // The done message carries the full text: the source of truth for the turn.
+  // The done message carries the full text and the complete tool calls: the
+  // source of truth for the turn. With calls, the text shown is the prose only.
   cur.text = typeof msg.text === "string" ? msg.text : cur.text;
-  cur.md.finish(cur.text);
+  cur.calls = cleanCalls(msg.tool_calls) ?? cur.calls;
+  const content = cur.calls.length ? shownText(cur) : cur.text;
+  cur.md.finish(content);
+  cur.tools.render(cur.calls, true);
   const meta = doneMeta(msg);
   showDone(cur.view, meta);
-  cur.conv.messages.push({ role: "assistant", content: cur.text, meta });
+  cur.conv.messages.push(answerMessage(content, cur.calls, meta));
   cur.view.msg.dataset.index = String(cur.conv.messages.length - 1);
   persisted(store.touch(cur.conv));
   renderList();

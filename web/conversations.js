@@ -1,7 +1,8 @@
 // Conversations kept in the browser's localStorage, under one key as JSON:
 //   {version: 1, activeId, conversations: [{id, title, created, updated, messages}]}
-// with messages [{role: "user" | "assistant", content, meta?}] (meta: the
-// answer's `done` figures). Only finished turns are stored; a conversation is
+// with messages [{role: "user" | "assistant", content, meta?, tool_calls?}] (meta:
+// the answer's `done` figures; tool_calls: the calls the answer made, OpenAI's
+// [{id, type: "function", function: {name, arguments}}], arguments as JSON text). Only finished turns are stored; a conversation is
 // stored from its first message on, so "New chat" leaves nothing empty behind.
 "use strict";
 
@@ -11,8 +12,16 @@ const TITLE_MAX = 48;
 const newId = () => (crypto.randomUUID ? crypto.randomUUID()
   : `c${Date.now().toString(36)}${Math.random().toString(36).slice(2, 10)}`);
 
+function isToolCall(c) {
+  return c && typeof c === "object" && c.function && typeof c.function.name === "string"
+    && typeof c.function.arguments === "string"
+    && (c.id === undefined || c.id === null || typeof c.id === "string");
+}
+
 function isMessage(m) {
-  return m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string";
+  return m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string"
+    && (m.tool_calls === undefined
+        || (Array.isArray(m.tool_calls) && m.tool_calls.every(isToolCall)));
 }
 
 function isConversation(c) {
