@@ -289,3 +289,21 @@ def test_allowed_models_single_api_key_and_bad_keys(qserver):
     assert bad.status_code == 401
     assert key_metric(scrape(qserver), "api_key_rejected_requests_total", "other",
                       "model") == 1
+
+
+def test_bad_keys_file_is_one_line_and_exit_1(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    bad = tmp_path / "keys.yaml"
+    bad.write_text("keys:\n  - name: a\n    key: k\n    requests_per_minute: -1\n")
+    for path, needle in [(bad, "requests_per_minute must be a positive integer"),
+                         (tmp_path / "missing.yaml", "No such file")]:
+        proc = subprocess.run([sys.executable, "-m", "aioengine.entrypoints.cli", "serve",
+                               "--port", "0", "--api-keys-file", str(path)],
+                              capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert proc.returncode == 1, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "--api-keys-file" in lines[0] and needle in lines[0], lines
