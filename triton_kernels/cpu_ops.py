@@ -150,7 +150,7 @@ def load():
             try:
                 if build_allowed():
                     logger.info("loading the C++ CPU kernels (the first build on a machine "
-                                "takes about 30 s)")
+                                "takes one to two minutes on two cores)")
                     _module = _build()
                 else:
                     _module = _load_built()
