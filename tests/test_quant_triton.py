@@ -19,8 +19,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import subprocess
-import sys
 import traceback
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpret import run_interpreted
 from gguf import quants as gguf_quants
 
 from triton_kernels.quant import SUPPORTED_QTYPES, GGMLQuantizationType
@@ -135,14 +134,7 @@ def _run_interpreted_cases() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=REPO_ROOT, check=False)
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter child process failed:\n{proc.stderr[-5000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case_name", [n for n, c in INTERPRETED_CASES.items()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_interpret import run_interpreted
 
 import triton_kernels
 from triton_kernels import reference
@@ -154,14 +155,7 @@ def _run_interpreted_cases() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=REPO_ROOT, check=False)
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter child process failed:\n{proc.stderr[-5000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case_name", list(INTERPRETED_CASES))
