@@ -46,6 +46,9 @@ def sserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
         yield info
 
 
+SHORT = 48  # tokens of the requests that finish during a drain
+
+
 def chat(content: str, max_tokens: int, **extra) -> dict:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, **extra}
@@ -162,11 +165,15 @@ def _check_drain(server: ServerInfo, sig: signal.Signals) -> None:
     async def go():
         started = [asyncio.Event(), asyncio.Event()]
         async with http_client(server) as client:
-            # Two short requests take both seats; three long ones queue behind them.
-            sse_short = asyncio.ensure_future(sse_request(client, chat("Say hi.", 4),
+            # Two short requests take both seats; three long ones queue behind them. The
+            # short ones must still be running when the long ones arrive (4 tokens ended
+            # before that once the quantized kernels made decoding fast) and finish well
+            # inside the drain timeout.
+            sse_short = asyncio.ensure_future(sse_request(client, chat("Say hi.", SHORT),
                                                           started=started[0]))
             ws_short = asyncio.ensure_future(ws_request(
-                url, {"type": "chat", "id": "short", **chat("Say hi.", 4)}, started=started[1]))
+                url, {"type": "chat", "id": "short", **chat("Say hi.", SHORT)},
+                started=started[1]))
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
             story = chat("Tell me a very long story about a lighthouse.", 1000)
             sse_long = asyncio.ensure_future(sse_request(client, story))
