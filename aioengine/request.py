@@ -52,6 +52,8 @@ class Request:
         cache_salt: extra key that keeps this tenant's blocks private.
         structured_output_request: grammar and matcher of a constrained
             request (None when unconstrained).
+        spec_token_ids: draft tokens the worker proposed after the last
+            token (speculative decoding); not part of ``all_token_ids``.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -77,6 +79,7 @@ class Request:
         self.seed = 0  # of this request's own generator, set by the engine
         self.first_scheduled_time: float | None = None
         self.structured_output_request: StructuredOutputRequest | None = None
+        self.spec_token_ids: list[int] = []
 
     @property
     def use_structured_output(self) -> bool:

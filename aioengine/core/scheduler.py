@@ -24,6 +24,8 @@ from aioengine.ipc.messages import (
     SchedulerOutput,
 )
 from aioengine.request import Request, RequestStatus
+from aioengine.spec_decode.config import SpeculativeConfig
+from aioengine.spec_decode.scheduling import SpecDecodeScheduler
 
 
 class SchedulerQueueFull(RuntimeError):
@@ -54,10 +56,12 @@ class Scheduler:
         kv_cache_manager: owner of the block tables.
         max_model_len: context length in tokens.
         sampling_metadata: builds the worker-side sampling settings of a request.
+        speculative_config: drafts to verify (``spec_decode.scheduling``); None: off.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int, sampling_metadata) -> None:
+                 max_model_len: int, sampling_metadata,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -70,6 +74,8 @@ class Scheduler:
         self._known_to_worker: set[str] = set()
         self.stats = SchedulerStats()
         self._step_id = 0
+        self.spec = (SpecDecodeScheduler(speculative_config, max_model_len)
+                     if speculative_config is not None else None)
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -102,6 +108,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         if request.request_id in self._known_to_worker:
             self._known_to_worker.discard(request.request_id)
             self.finished_req_ids.append(request.request_id)
@@ -123,6 +131,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
+        spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
 
         def pick_victim(than: Request | None = None) -> Request | None:
@@ -149,6 +158,7 @@ class Scheduler:
                 scheduled_running.remove(victim)
                 budget += num_scheduled.pop(victim.request_id)
                 new_block_ids.pop(victim.request_id, None)
+                spec_tokens.pop(victim.request_id, None)
             return victim
 
         # Running requests first: a decode token each, or the next prompt chunk.
@@ -159,7 +169,16 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            new_blocks = None
+            num_spec = (self.spec.num_spec_tokens(request, budget, len(self.running))
+                        if self.spec is not None else 0)
+            if num_spec:  # drafts only where blocks are free: never preempt for them
+                new_blocks = self.kv.allocate_slots(request, num_new + num_spec)
+                if new_blocks is not None:
+                    spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+                    num_new += num_spec
+            if new_blocks is None:
+                new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = pick_victim()
                 if victim is None:
@@ -246,6 +265,7 @@ class Scheduler:
             num_scheduled_tokens=[num_scheduled[r.request_id] for r in order],
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = []
         self.preempted_req_ids = []
@@ -263,6 +283,7 @@ class Scheduler:
         self.kv.free(request, num_valid_tokens=request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         if request.request_id in self._known_to_worker:
@@ -291,10 +312,19 @@ class Scheduler:
         """
         results = []
         logprobs = runner_output.logprobs
+        drafts_of = output.scheduled_spec_decode_tokens
         for k, (request, num_new) in enumerate(zip(self._scheduled_order,
                                                    output.num_scheduled_tokens)):
             if request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if runner_output.spec_token_ids is not None:
+                request.spec_token_ids = runner_output.spec_token_ids[k]
+            drafts = drafts_of.get(request.request_id)
+            if drafts:
+                results.extend(self._apply_verified(request, num_new, drafts,
+                                                    runner_output.num_accepted_tokens[k],
+                                                    runner_output.sampled_token_ids[k]))
+                continue
             before = request.num_computed_tokens
             request.num_computed_tokens += num_new
             self.stats.num_prompt_tokens += max(
@@ -307,6 +337,25 @@ class Scheduler:
             request.append_output_token_ids([token])
             self._check_stop(request, token)
             results.append((request, token, logprobs[k] if logprobs else None))
+        return results
+
+    def _apply_verified(self, request: Request, num_new: int, drafts: list[int],
+                        num_accepted: int, token: int
+                        ) -> list[tuple[Request, int, None]]:
+        """A decode step with drafts: emit the accepted drafts and the token after
+        them, one at a time (a stop ends the rest), and roll the rejected
+        drafts' slots back (``num_computed_tokens`` and blocks)."""
+        request.num_computed_tokens += num_new - (len(drafts) - num_accepted)
+        self.spec.observe(request, len(drafts), num_accepted)
+        results = []
+        for t in drafts[:num_accepted] + [token]:
+            self.stats.num_generation_tokens += 1
+            request.append_output_token_ids([t])
+            results.append((request, t, None))
+            self._check_stop(request, t)
+            if request.is_finished:
+                return results
+        self.kv.rollback(request)
         return results
 
     def _check_stop(self, request: Request, token: int) -> None:

@@ -60,6 +60,12 @@ class EngineStats:
     num_requests_finished: int = 0
     last_step_time: float = 0.0
     last_forward_time: float = 0.0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_acceptance_rate: float = 0.0
+    spec_decode_mean_acceptance_length: float = 0.0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     block_usage_map: list[int] = field(default_factory=list)
 
 
@@ -98,7 +104,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
                                                config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, max_model_len,
-                                   self._sampling_metadata)
+                                   self._sampling_metadata, config.speculative)
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(
             tokenizer, len(tokenizer), self.eos_token_id)
         self._parents: dict[str, _ParentRequest] = {}
@@ -240,15 +246,23 @@ class EngineCore:
         produced something (only the samples that changed are listed)."""
         self.last_forward_time = ro.forward_time + ro.sample_time
         changed: dict[str, tuple[_ParentRequest, list[int]]] = {}
-        for request, token, logprobs in self.scheduler.update_from_output(so, ro):
+        # A speculative step emits several tokens of one request, in order: the
+        # first starts the step's delta, the rest extend it; none after a stop.
+        seen: set[str] = set()
+        done: set[str] = set()
+        results = self.scheduler.update_from_output(so, ro)
+        last_of = {r.request_id: i for i, (r, t, _) in enumerate(results) if t is not None}
+        for i, (request, token, logprobs) in enumerate(results):
             entry = self._child_to_parent.get(request.request_id)
-            if entry is None:
+            if entry is None or request.request_id in done:
                 continue
             parent, index = entry
             if parent.num_cached_tokens < 0 and request.num_cached_tokens >= 0:
                 parent.num_cached_tokens = request.num_cached_tokens
             if token is None:
                 continue
+            first = request.request_id not in seen
+            seen.add(request.request_id)
             so_request = request.structured_output_request
             if so_request is not None and so_request.matcher is not None:
                 if not so_request.accept_token(token) and not request.is_finished:
@@ -266,19 +280,26 @@ class EngineCore:
                                                RequestStatus.FINISHED_STOPPED)
             if detok.stop_reason is not None:
                 request.stop_reason = detok.stop_reason
-            completion.delta_token_ids = [token]
+            if first:
+                completion.delta_token_ids, completion.delta_text = [], ""
+            completion.delta_token_ids.append(token)
             completion.token_ids.append(token)
             if logprobs is not None:
                 completion.logprobs = (completion.logprobs or []) + [dict(logprobs)]
-            finished = request.is_finished
-            completion.delta_text = detok.get_delta(finished)
-            completion.text += completion.delta_text
+            # The scheduler already applied all of the step's tokens: a request it
+            # finished ends at its last one, or earlier at a stop string.
+            finished = request.is_finished if i == last_of[request.request_id] else stopped
+            delta = detok.get_delta(finished)
+            completion.delta_text += delta
+            completion.text += delta
             if finished:
                 # A stop string completed by the token that also reached
                 # max_tokens is a stop, as vLLM reports it.
                 completion.finish_reason = "stop" if stopped else request.status.finish_reason
                 completion.stop_reason = request.stop_reason
-            changed.setdefault(parent.request_id, (parent, []))[1].append(index)
+                done.add(request.request_id)
+            if first:
+                changed.setdefault(parent.request_id, (parent, []))[1].append(index)
 
         outputs = []
         for parent, indices in changed.values():
@@ -327,7 +348,20 @@ class EngineCore:
             num_prompt_tokens=s.num_prompt_tokens, num_generation_tokens=s.num_generation_tokens,
             num_requests_finished=self._num_finished, last_step_time=self.last_step_time,
             last_forward_time=self.last_forward_time,
+            **self._spec_stats(),
             block_usage_map=self.block_usage_map() if include_block_map else [])
+
+    def _spec_stats(self) -> dict:
+        spec = self.scheduler.spec
+        if spec is None:
+            return {}
+        s = spec.stats
+        return dict(spec_decode_num_drafts=s.num_drafts,
+                    spec_decode_num_draft_tokens=s.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=s.num_accepted_tokens,
+                    spec_decode_acceptance_rate=s.acceptance_rate,
+                    spec_decode_mean_acceptance_length=s.mean_acceptance_length,
+                    spec_decode_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos))
 
     def block_usage_map(self) -> list[int]:
         """Per block: 0 free, 1 free but holding a cached prefix, 2 in use."""
