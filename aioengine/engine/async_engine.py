@@ -55,7 +55,8 @@ class LatencyObserver(Protocol):
 # brings a fresh EngineCore (Prometheus counters only ever increase).
 _CUMULATIVE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps",
                      "num_multi_request_steps", "num_prompt_tokens", "num_generation_tokens",
-                     "num_requests_finished")
+                     "num_requests_finished", "spec_decode_num_drafts",
+                     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 class RequestStream:
@@ -351,6 +352,11 @@ class AsyncEngine:
         for name in _CUMULATIVE_STATS:
             setattr(stats, name, getattr(stats, name) + self._retired_stats[name])
         stats.max_reqs_in_step = max(stats.max_reqs_in_step, self._retired_max_reqs_in_step)
+        if stats.spec_decode_num_drafts:  # the ratios over the summed counters
+            stats.spec_decode_acceptance_rate = (stats.spec_decode_num_accepted_tokens
+                                                 / stats.spec_decode_num_draft_tokens)
+            stats.spec_decode_mean_acceptance_length = (
+                1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts)
         return stats
 
     # -- draining (graceful shutdown) -------------------------------------------------

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from aioengine.ipc.messages import SchedulerOutput
+from aioengine.models.llama import AttentionMetadata
 from aioengine.spec_decode.config import SpeculativeConfig
 from aioengine.spec_decode.ngram_proposer import NgramProposer
 from aioengine.spec_decode.rejection_sampler import rejection_sample
@@ -69,6 +70,40 @@ def logits_indices(cu_num_tokens: np.ndarray, sampling_mask: np.ndarray,
     total = int(counts.sum())
     offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(ends - counts, counts) + offsets
+
+
+def batch_expansion(num_scheduled: np.ndarray, num_draft: np.ndarray, positions: np.ndarray,
+                    row_of_token: np.ndarray, block_table: np.ndarray, block_size: int,
+                    slot_mapping: torch.Tensor) -> AttentionMetadata | None:
+    """Attention metadata that scores every token of a decode-with-drafts step as
+    its own one-token sequence (vLLM v0's batch-expansion scorer).
+
+    Token ``j`` of a request (its last token, then the drafts) becomes a decode
+    of a sequence of ``position + 1`` tokens over the request's block table. The
+    forward writes every token's K/V for a layer before that layer's attention,
+    so a draft attends to the drafts before it: exactly the causal attention of
+    the request's ``1 + k`` query tokens. The step is then all decodes, which
+    the fused CPU decode layers (and the decode attention kernels) take; a
+    ``1 + k``-token query would take the general path, about 2x slower for
+    ``k = 4`` on the default model.
+
+    Returns:
+        The expanded metadata, or None when some request is prefilling (a
+        chunk of its prompt is in the step): then the usual metadata serves.
+    """
+    if not np.array_equal(num_scheduled, num_draft + 1):
+        return None
+    seq_lens = positions + 1
+    max_seqlen_k = int(seq_lens.max())
+    block_tables = block_table[row_of_token, :-(-max_seqlen_k // block_size)]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)),
+        cu_seqlens_q=torch.arange(positions.shape[0] + 1, dtype=torch.int32),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+        max_seqlen_q=1,
+        max_seqlen_k=max_seqlen_k,
+    )
 
 
 def verify(runner: ModelRunner, logits: torch.Tensor, states: list[CachedRequestState],

@@ -231,6 +231,9 @@ class ModelRunner:
             max_seqlen_q=int(num_sched.max()),
             max_seqlen_k=max_seqlen_k,
         )
+        if num_draft is not None:
+            attn = verifier.batch_expansion(num_sched, num_draft, positions, row_of_token,
+                                            self.block_table, bs, attn.slot_mapping) or attn
         hidden = self.model.forward(torch.from_numpy(input_ids), torch.from_numpy(positions),
                                     self.kv_cache, attn)
         sampled = np.full(len(states), -1, dtype=np.int64)
