@@ -185,7 +185,8 @@ def batch1(engines: dict, prompts: dict[str, list[int]], max_tokens: int, repeat
         load.sample()
         print(f"  {name:14s} prompt {len(ids):4d} out {len(outputs['off']):4d}  "
               f"off {per['off']['tok_per_s']:6.1f} tok/s  on {per['on']['tok_per_s']:6.1f} "
-              f"tok/s  x{rows[name]['speedup']:.2f} (decode only x{rows[name]['decode_speedup']:.2f})  "
+              f"tok/s  x{rows[name]['speedup']:.2f} "
+              f"(decode only x{rows[name]['decode_speedup']:.2f})  "
               f"equal={rows[name]['greedy_equal']}",
               flush=True)
     return rows
@@ -232,11 +233,10 @@ def plot(report: dict, path: Path) -> None:
         labels.append(name)
         off.append(row["off"]["tok_per_s"])
         on.append(row["on"]["tok_per_s"])
-    for key, label in (("summarise", "summarise"),):
-        for name, row in report[key].items():
-            labels.append(label)
-            off.append(row["off"]["tok_per_s"])
-            on.append(row["on"]["tok_per_s"])
+    for row in report["summarise"].values():
+        labels.append("summarise")
+        off.append(row["off"]["tok_per_s"])
+        on.append(row["on"]["tok_per_s"])
     agg = report["open_chat_total"]
     labels.append("open chat")
     off.append(agg["off"])
