@@ -39,8 +39,8 @@ def chat_ids(llm: LLM, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engines():
-    off = LLM(executor="inproc", max_num_seqs=16)
-    on = LLM(executor="inproc", max_num_seqs=16, speculative_config=SPEC)
+    off = LLM(executor="inproc", max_num_seqs=64)
+    on = LLM(executor="inproc", max_num_seqs=64, speculative_config=SPEC)
     yield off, on
     off.shutdown()
     on.shutdown()
@@ -184,3 +184,82 @@ def test_bad_speculative_config_is_a_value_error():
                                  '"num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert (c.speculative.num_speculative_tokens, c.speculative.prompt_lookup_min,
             c.speculative.prompt_lookup_max) == (3, 4, 4)
+
+
+def test_sampled_tokens_keep_the_target_distribution(engines):
+    """Pearson's chi-square over the first three tokens of 400 seeded requests
+    (temperature 1, top_k 3: 27 cells), speculating, against the probabilities
+    the model itself gives without speculation (top-3 of its logprobs,
+    renormalised, chained over the 13 prefixes). The test fails when the
+    p-value is below 1e-3. The second and third tokens go through verification
+    (the prompt asks for a copy, so n-gram drafts exist and are sometimes
+    rejected: both counts are checked; ``prompt_lookup_min`` 1 so the first
+    sampled token already finds a match)."""
+    import numpy as np
+
+    from tests.test_rejection_sampler import chisquare_pvalue
+
+    off, _ = engines
+    on = LLM(executor="inproc", max_num_seqs=64, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3})
+    prompt = chat_ids(on, GROUNDED[1])
+
+    def top3(prefix: list[int]) -> dict[int, float]:
+        out = off.generate([prefix], SamplingParams(temperature=0, max_tokens=1, logprobs=3),
+                           use_tqdm=False)[0].outputs[0]
+        lp = out.logprobs[0]
+        best = sorted(lp.items(), key=lambda kv: -kv[1])[:3]
+        z = sum(np.exp(v) for _, v in best)
+        return {t: float(np.exp(v) / z) for t, v in best}
+
+    expected: dict[tuple[int, ...], float] = {}
+    for a, pa in top3(prompt).items():
+        for b, pb in top3(prompt + [a]).items():
+            for c, pc in top3(prompt + [a, b]).items():
+                expected[(a, b, c)] = pa * pb * pc
+    n = 400
+    # max_tokens 4: the token after the drafts is always the target's own, so
+    # 4 leaves room for 2 drafts after the first token.
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True,
+                             seed=10_000 + i) for i in range(n)]
+    try:
+        outs = on.generate([prompt] * n, params, use_tqdm=False)
+        s = on.stats()
+    finally:
+        on.shutdown()
+    drafted, accepted = s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
+    assert drafted > n and 0 < accepted < drafted, (drafted, accepted)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids[:3])
+        assert key in expected, f"{key} is outside the top-3 chain"
+        counts[key] = counts.get(key, 0) + 1
+    # Cells expected fewer than 5 times are pooled into one (the test's validity rule).
+    big = [c for c in sorted(expected) if expected[c] * n >= 5]
+    small = [c for c in expected if c not in big]
+    observed = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
+    want = [expected[c] * n for c in big] + [sum(expected[c] for c in small) * n]
+    if not small:
+        observed, want = observed[:-1], want[:-1]
+    assert len(big) >= 8
+    pvalue = chisquare_pvalue(np.array(observed, dtype=np.float64), np.array(want))
+    assert pvalue > 1e-3, f"chi-square rejects the target distribution: p={pvalue:.2e}"
+
+
+def test_serve_flag_carries_the_speculative_config():
+    from aioengine.entrypoints.cli import _engine_config, build_parser, engine_kwargs
+
+    parser = build_parser()
+    flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
+    args = parser.parse_args(["serve", "--speculative-config", flag])
+    assert engine_kwargs(args)["speculative_config"] == flag
+    config = _engine_config(args)
+    assert (config.speculative.num_speculative_tokens, config.speculative.prompt_lookup_min,
+            config.speculative.prompt_lookup_max) == (3, 2, 2)
+    assert _engine_config(parser.parse_args(["serve"])).speculative is None
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        _engine_config(parser.parse_args(["serve", "--speculative-config", "{4"]))
+    with pytest.raises(SystemExit, match="num_speculative_tokens"):
+        _engine_config(parser.parse_args(["serve", "--speculative-config",
+                                          '{"num_speculative_tokens": -1}']))
