@@ -117,9 +117,17 @@ def _family_config(f: GGUFFile, config: dict[str, Any]) -> None:
                                            if big else config["head_dim"])
         config["final_logit_softcapping"] = f.arch_key("final_logit_softcapping")
         config["attn_logit_softcapping"] = f.arch_key("attn_logit_softcapping")
-        pattern = int(f.arch_key("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6))
-        config["layer_types"] = ["sliding_attention" if i % pattern < pattern - 1
-                                 else "full_attention" for i in range(n)]
+        # ``attention.sliding_window_pattern``: a period (layer i local unless the last of
+        # its period), or one bool per layer (True: local); llama.cpp's default without it.
+        pattern = f.arch_key("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        if isinstance(pattern, list):
+            if len(pattern) != n:
+                raise ValueError(f"{f.path}: {arch}.attention.sliding_window_pattern has "
+                                 f"{len(pattern)} entries for {n} layers")
+            local = [bool(p) for p in pattern]
+        else:
+            local = [i % int(pattern) < int(pattern) - 1 for i in range(n)]
+        config["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
         config["sliding_window"] = int(window or 4096)
         if arch == "gemma3":
             full = dict(config.pop("rope_scaling") or {"rope_type": "default"})
