@@ -218,3 +218,51 @@ def test_the_registry_maps_hf_and_gguf_names_to_classes():
         cls(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3")
     with pytest.raises(registry.UnsupportedModelError, match="supported: llama, qwen2"):
         registry.family_of_gguf("mamba")
+
+
+# -- served: the chat template's refusal, /v1/models, an unknown architecture at start ------
+
+
+@pytest.fixture(scope="module")
+def gemma_server(workdir):
+    from conftest import start_server, stop_server
+
+    _, folder, _ = built("gemma2", workdir)
+    info = start_server(workdir, "--model", str(folder))
+    yield info
+    stop_server(info)
+
+
+def test_a_template_that_refuses_the_system_role_is_a_400(gemma_server):
+    import httpx
+
+    with httpx.Client(base_url=gemma_server.base_url, headers=gemma_server.headers,
+                      timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]
+        assert model["max_model_len"] == 512  # config.json's max_position_embeddings
+        refused = http.post("/v1/chat/completions", json={
+            "model": model["id"], "max_tokens": 2,
+            "messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Hi"}]})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert "System role not supported" in error["message"]
+        assert error["type"] == "invalid_request_error"
+        ok = http.post("/v1/chat/completions", json={
+            "model": model["id"], "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert ok.status_code == 200, ok.text  # the server carries on
+
+
+def test_serve_refuses_an_unknown_architecture_in_one_line(tmp_path):
+    from test_bad_start import assert_one_line_error, run_serve
+
+    folder = tmp_path / "mamba"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_size": 64,
+         "num_hidden_layers": 2, "vocab_size": 100}))
+    (folder / "model.safetensors").write_bytes(b"")
+    proc, elapsed = run_serve("--model", str(folder), "--port", "0")
+    assert_one_line_error(proc, elapsed, "'mamba'")
+    for name in ("qwen3", "gemma3_text", "phi3", "gemma2"):
+        assert name in proc.stderr
