@@ -23,7 +23,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from gguf_models import _add_tokenizer, convert_permute, tokenizer_metadata
+from gguf_models import _add_tokenizer, convert_permute
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
           "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -44,6 +44,50 @@ LLAMA3_TEMPLATE = (
 PHI3_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + "
     "'<|end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+
+CORPUS = ["The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat",
+          "In the beginning the engineers wrote a small engine that served many models to "
+          "many people at once on a small machine.", "Hello there, who are you? Be brief."]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<bos>", "<start_of_turn>",
+                  "<end_of_turn>"]
+
+
+def tiny_tokenizer():
+    """``(tokenizer, gguf_metadata)``: a byte-level BPE of about 400 tokens trained here
+    on ``CORPUS`` (a 49k vocabulary would make every GGUF tokenizer build take seconds),
+    and its ``tokenizer.*`` GGUF keys as llama.cpp's converter writes a GPT-2-style one."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>",
+                                        eos_token="<|endoftext|>", unk_token="<|endoftext|>",
+                                        pad_token="<|endoftext|>")
+    model = json.loads(tk.to_str())["model"]
+    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    specials = set(SPECIAL_TOKENS)
+    meta = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": [t for t, _ in vocab],
+        "tokenizer.ggml.token_type": [3 if t in specials else 1 for t, _ in vocab],
+        "tokenizer.ggml.merges": [" ".join(m) if isinstance(m, list) else m
+                                  for m in model["merges"]],
+        "tokenizer.ggml.bos_token_id": tokenizer.bos_token_id,
+        "tokenizer.ggml.eos_token_id": tokenizer.eos_token_id,
+        "tokenizer.ggml.unknown_token_id": tokenizer.eos_token_id,
+        "tokenizer.ggml.padding_token_id": tokenizer.eos_token_id,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": CHATML,
+    }
+    return tokenizer, meta
+
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -116,8 +160,7 @@ def build_hf_model(family: Family, tokenizer, seed: int = 0):
     """The random-weight transformers model, fp32, eval mode."""
     from transformers import AutoModelForCausalLM
 
-    config = hf_config(family, len(tokenizer), tokenizer.bos_token_id or 0,
-                       tokenizer.eos_token_id)
+    config = hf_config(family, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
@@ -166,11 +209,12 @@ def _llama3_rope_freqs(params: dict[str, Any], head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(model, family: Family, path: Path, tokenizer_meta: dict | None = None) -> Path:
-    """The HF model as llama.cpp's converter would write it (F32 tensors)."""
+def write_gguf(model, family: Family, path: Path, tokenizer_meta: dict) -> Path:
+    """The HF model as llama.cpp's converter would write it (F32 tensors), with the
+    tokenizer keys ``tokenizer_meta`` (``tiny_tokenizer``) and the family's template."""
     cfg = model.config
     arch = family.gguf_arch
-    meta = dict(tokenizer_meta if tokenizer_meta is not None else tokenizer_metadata())
+    meta = dict(tokenizer_meta)
     meta["tokenizer.chat_template"] = family.template
     n_layers = cfg.num_hidden_layers
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads

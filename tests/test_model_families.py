@@ -22,12 +22,11 @@ from functools import lru_cache
 
 import pytest
 import torch
-from family_models import FAMILIES, GEMMA_TEMPLATE, build_hf_model, save_hf_folder, write_gguf
-from gguf_models import tokenizer_metadata
+from family_models import (FAMILIES, GEMMA_TEMPLATE, build_hf_model, save_hf_folder,
+                           tiny_tokenizer, write_gguf)
 from parity import assert_greedy_parity
 
 from aioengine import LLM, SamplingParams
-from aioengine.config import default_model_path
 from aioengine.models import registry
 from aioengine.models.loader import load_tokenizer
 from triton_kernels import cpu_ops
@@ -54,13 +53,16 @@ def workdir(tmp_path_factory):
 
 
 @lru_cache(maxsize=1)
+def _tiny():
+    return tiny_tokenizer()
+
+
 def tokenizer():
-    return load_tokenizer(default_model_path())
+    return _tiny()[0]
 
 
-@lru_cache(maxsize=1)
 def gguf_tokenizer():
-    return tokenizer_metadata()
+    return _tiny()[1]
 
 
 _built: dict[str, tuple] = {}
@@ -176,7 +178,7 @@ def test_chat_template_comes_from_the_models_files(kind, workdir):
     assert tok.chat_template == GEMMA_TEMPLATE
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}],
                                    add_generation_prompt=True, tokenize=False)
-    assert text.endswith("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
+    assert text == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", text
     with pytest.raises(Exception, match="System role not supported"):
         tok.apply_chat_template([{"role": "system", "content": "be brief"},
                                  {"role": "user", "content": "hi"}], tokenize=False)
