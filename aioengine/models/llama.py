@@ -19,8 +19,16 @@ from aioengine.models.registry import SUPPORTED_MODEL_TYPES
 #: The shape of any supported model (``decoder.ModelArch``); the old name.
 LlamaArch = ModelArch
 
-__all__ = ["AttentionMetadata", "LlamaArch", "LlamaForCausalLM", "RotaryEmbedding",
-           "SUPPORTED_MODEL_TYPES", "rms_norm", "weight_format", "weight_nbytes"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "AttentionMetadata",
+    "LlamaArch",
+    "LlamaForCausalLM",
+    "RotaryEmbedding",
+    "rms_norm",
+    "weight_format",
+    "weight_nbytes",
+]
 
 
 class LlamaForCausalLM(CausalLM):

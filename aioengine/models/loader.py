@@ -9,9 +9,10 @@
   ``safetensors``; with ``quantization="int8"`` or ``"int4"`` the linear weights are
   quantized at load to GGML block formats (``QUANTIZATION_FORMATS``).
 
-The forward pass is ours (``aioengine.models.registry`` picks the family's class); transformers only supplies
-config, tokenizer and chat template. Importing this module imports no torch: the
-engine process checks the model (``inspect_model``) before it starts a worker.
+The forward pass is ours (``aioengine.models.registry`` picks the family's class);
+transformers only supplies config, tokenizer and chat template. Importing this module
+imports no torch: the engine process checks the model (``inspect_model``) before it
+starts a worker.
 """
 
 from __future__ import annotations

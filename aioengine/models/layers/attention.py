@@ -65,7 +65,7 @@ def windowed_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
     """
-    num_tokens, num_heads, head_dim = query.shape
+    _num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     keys = key_cache.view(-1, num_kv_heads, head_dim)
