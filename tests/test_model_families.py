@@ -42,9 +42,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, l
 ENGINE = dict(executor="inproc", block_size=8, max_num_batched_tokens=24,
               enable_prefix_caching=True, max_model_len=256)
 # llama.cpp writes Mistral as ``llama`` and keeps no sliding window (it attends to the
-# whole context); our LongRoPE GGUF reading refuses rope_factors_long (see gguf_loader).
-NO_GGUF = {"mistral": "a Mistral GGUF carries no sliding window",
-           "phi3": "LongRoPE factors in GGUF are refused"}
+# whole context, and so do we for such a file).
+NO_GGUF = {"mistral": "a Mistral GGUF carries no sliding window"}
 
 
 @pytest.fixture(scope="module")

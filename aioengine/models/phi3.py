@@ -33,6 +33,9 @@ class Phi3ForCausalLM(CausalLM):
     def prepare_weights(self, weights: dict[str, Any], arch: ModelArch) -> None:
         """Split the fused projections into Llama's names, so that tensor parallelism
         shards them like every other family's and the model re-fuses them."""
+        # A GGUF file's LongRoPE factors are in the config already (gguf_loader).
+        weights.pop("rope_factors_long", None)
+        weights.pop("rope_factors_short", None)
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
