@@ -301,15 +301,15 @@ class Scheduler:
         return self._scheduled_order
 
     def _record_step(self, output: SchedulerOutput) -> None:
-        s = self.stats
-        n = output.num_reqs
-        s.num_steps += n > 0
-        s.num_scheduled_reqs_last_step = n
-        s.num_scheduled_tokens_last_step = output.total_num_scheduled_tokens
-        s.max_reqs_in_step = max(s.max_reqs_in_step, n)
-        s.num_multi_request_steps += n > 1
-        s.num_running = len(self.running)
-        s.num_waiting = len(self.waiting)
+        stats = self.stats
+        num_reqs = output.num_reqs
+        stats.num_steps += num_reqs > 0
+        stats.num_scheduled_reqs_last_step = num_reqs
+        stats.num_scheduled_tokens_last_step = output.total_num_scheduled_tokens
+        stats.max_reqs_in_step = max(stats.max_reqs_in_step, num_reqs)
+        stats.num_multi_request_steps += num_reqs > 1
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput
                            ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:

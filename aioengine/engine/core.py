@@ -174,17 +174,19 @@ class EngineCore:
                 and not r.structured_output_request.is_ready()]
 
     def _sampling_metadata(self, request: Request) -> SamplingMetadata:
-        p = request.sampling_params
-        stop_ids = list(p.stop_token_ids)
-        if not p.ignore_eos and self.eos_token_id is not None:
+        params = request.sampling_params
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos and self.eos_token_id is not None:
             stop_ids.append(self.eos_token_id)
         return SamplingMetadata(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty, seed=request.seed,
-            logprobs=-1 if p.logprobs is None else p.logprobs, min_tokens=p.min_tokens,
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            min_p=params.min_p,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, seed=request.seed,
+            logprobs=-1 if params.logprobs is None else params.logprobs,
+            min_tokens=params.min_tokens,
             stop_token_ids=stop_ids,
-            logit_bias=[(int(t), float(b)) for t, b in p.logit_bias.items()])
+            logit_bias=[(int(t), float(b)) for t, b in params.logit_bias.items()])
 
     # -- steps ------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -269,18 +271,20 @@ class EngineCore:
         """The stats snapshot (``num_requests_finished`` is the output
         processor's, filled by ``LLMEngine``); ``include_block_map`` adds the
         per-block state list (for the chat page's KV grid)."""
-        s = self.scheduler.stats
-        kv = self.kv_cache_manager
-        pool = kv.block_pool
+        counters = self.scheduler.stats
+        kv_cache = self.kv_cache_manager
+        pool = kv_cache.block_pool
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_kv_blocks_total=pool.num_blocks, num_kv_blocks_used=pool.num_used_blocks,
-            kv_cache_usage=pool.usage, prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            num_steps=s.num_steps, num_multi_request_steps=s.num_multi_request_steps,
-            max_reqs_in_step=s.max_reqs_in_step, num_reqs_last_step=s.num_scheduled_reqs_last_step,
-            num_tokens_last_step=s.num_scheduled_tokens_last_step,
-            num_prompt_tokens=s.num_prompt_tokens, num_generation_tokens=s.num_generation_tokens,
+            kv_cache_usage=pool.usage, prefix_cache_queries=kv_cache.prefix_cache_queries,
+            prefix_cache_hits=kv_cache.prefix_cache_hits, num_preemptions=counters.num_preemptions,
+            num_steps=counters.num_steps, num_multi_request_steps=counters.num_multi_request_steps,
+            max_reqs_in_step=counters.max_reqs_in_step,
+            num_reqs_last_step=counters.num_scheduled_reqs_last_step,
+            num_tokens_last_step=counters.num_scheduled_tokens_last_step,
+            num_prompt_tokens=counters.num_prompt_tokens,
+            num_generation_tokens=counters.num_generation_tokens,
             last_step_time=self.last_step_time, last_forward_time=self.last_forward_time,
             block_usage_map=self.block_usage_map() if include_block_map else [])
 
@@ -291,5 +295,6 @@ class EngineCore:
 
 
 def _is_idle(scheduler_output: SchedulerOutput) -> bool:
-    """Nothing to run and nothing for the worker to forget."""
-    return scheduler_output.num_reqs == 0 and not scheduler_output.finished_req_ids
+    """Nothing to run and nothing for the worker to forget or drop."""
+    return (scheduler_output.num_reqs == 0 and not scheduler_output.finished_req_ids
+            and not scheduler_output.preempted_req_ids)

@@ -21,6 +21,7 @@ from aioengine.engine.input_processor import InputProcessor
 from aioengine.engine.output_processor import OutputProcessor
 from aioengine.engine.parallel_sampling import ParentRequest
 from aioengine.executor.abstract import Executor
+from aioengine.ipc.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.request import RequestStatus
 from aioengine.sampling_params import RequestOutput, SamplingParams
 from aioengine.structured.manager import StructuredOutputManager
@@ -128,6 +129,17 @@ class LLMEngine:
     async def step_async(self) -> EngineStep:
         """One step; the event loop is free while the worker computes."""
         return self._process(await self.core.step_async())
+
+    # The two halves of ``step()`` around the executor, for callers that time
+    # or inspect them (bench/throughput.py, bench/prefix_cache.py).
+    def schedule(self) -> SchedulerOutput:
+        return self.core.schedule()
+
+    def process_output(self, scheduler_output: SchedulerOutput,
+                       runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Apply an executed ``schedule()``; the ``RequestOutput``s of the step."""
+        core_outputs = self.core.update_from_output(scheduler_output, runner_output)
+        return self._process(core_outputs).request_outputs
 
     def _process(self, core_outputs: EngineCoreOutputs) -> EngineStep:
         processed = self.output_processor.process_outputs(core_outputs)

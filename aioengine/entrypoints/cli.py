@@ -109,7 +109,7 @@ def _engine_config(args: argparse.Namespace):
         m = config.model  # every tensor's format and name, the quantization flag: one line too
         inspect_model(m.model_path, m.quantization, m.dtype)
         if config.parallel.tensor_parallel_size > 1:
-            from aioengine.engine.multiproc_executor import check_parallel_config
+            from aioengine.models.arch import check_parallel_config
 
             check_parallel_config(config)  # refuse a size the heads cannot split over
         return config
