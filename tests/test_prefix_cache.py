@@ -130,7 +130,7 @@ def run_fake_step(scheduler: Scheduler, slots: dict[tuple[int, int], int]) -> No
     K/V it holds. Like the model, it writes every new token first, then every
     scheduled request reads its whole context: each slot read must hold that
     request's token at that position."""
-    kv = scheduler.kv
+    kv = scheduler.kv_cache_manager
     so = scheduler.schedule()
     batch = [(scheduler.requests[rid], n) for rid, n in
              zip(so.req_ids(), so.num_scheduled_tokens)]

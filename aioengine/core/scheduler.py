@@ -320,7 +320,7 @@ class Scheduler:
             still alive, in schedule order. Requests that reached EOS, a stop
             token, ``max_tokens`` or the context length are finished here.
         """
-        results = []
+        results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
         logprobs = runner_output.logprobs
         for k, (request, num_new) in enumerate(zip(self._scheduled_order,
                                                    output.num_scheduled_tokens)):

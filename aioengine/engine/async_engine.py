@@ -14,7 +14,7 @@ import asyncio
 import importlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from aioengine.config import EngineConfig
@@ -127,6 +127,7 @@ class AsyncEngine:
         self._retired_stats = dict.fromkeys(_CUMULATIVE_STATS, 0)
         self._retired_max_reqs_in_step = 0
         self.structured_output_manager: StructuredOutputManager | None = None
+        self._executor_factory: Callable[..., Executor] = make_executor
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -143,6 +144,20 @@ class AsyncEngine:
         tokenizer_future = asyncio.to_thread(load_tokenizer, self.model_path)
         executor_future = asyncio.to_thread(make_executor, config)
         self.tokenizer, self.executor = await asyncio.gather(tokenizer_future, executor_future)
+        self._begin_serving()
+        return self
+
+    @classmethod
+    async def from_parts(cls, config: EngineConfig, tokenizer: Any,
+                         executor_factory: Callable[..., Executor]) -> AsyncEngine:
+        """An engine on a given tokenizer and executor (``executor_factory(config,
+        allow_kernel_build=...)`` also makes the replacement after a crash); no
+        model file is read. The unit tests run the whole engine on a stand-in
+        model this way."""
+        self = cls(config)
+        self._executor_factory = executor_factory
+        self.tokenizer = tokenizer
+        self.executor = executor_factory(config, allow_kernel_build=False)
         self._begin_serving()
         return self
 
@@ -239,7 +254,7 @@ class AsyncEngine:
                     executor, standby = standby, None
                     self.executor = await asyncio.to_thread(executor.activate)
                 else:
-                    self.executor = await asyncio.to_thread(make_executor, self.config,
+                    self.executor = await asyncio.to_thread(self._executor_factory, self.config,
                                                             allow_kernel_build=False)
                 break
             except Exception:

@@ -42,27 +42,31 @@ class LLM:
         self.engine = LLMEngine(self.config, self.tokenizer, self.executor)
         self._counter = 0
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         Args:
-            prompts: strings, or token-id lists.
+            prompts: a string or a token-id list, or a sequence of them.
             sampling_params: one for all prompts or one per prompt.
             priority: per prompt, lower first.
         """
+        prompt_list: list[str | list[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompt_list = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
+        params_list = (list(params) if isinstance(params, Sequence)
+                       else [params] * len(prompt_list))
+        if len(params_list) != len(prompt_list):
             raise ValueError("need one SamplingParams per prompt")
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
             token_ids = (self.engine.input_processor.tokenize(prompt) if isinstance(prompt, str)
-                         else list(prompt))
+                         else [int(t) for t in prompt])
             request_id = str(self._counter)
             self._counter += 1
             self.add_request(request_id, token_ids, p, priority=priority[i] if priority else 0)
@@ -89,8 +93,11 @@ class LLM:
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True
              ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_ids = [self.engine.input_processor.render_chat(c) for c in convs]
+        convs: list[list[dict[str, str]]] = (
+            [messages] if messages and isinstance(messages[0], dict)
+            else messages)  # type: ignore[assignment]
+        token_ids: list[str | list[int]] = [self.engine.input_processor.render_chat(c)
+                                            for c in convs]
         return self.generate(token_ids, sampling_params, use_tqdm)
 
     def run_until_finished(self, use_tqdm: bool = False) -> dict[str, RequestOutput]:

@@ -198,7 +198,7 @@ def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from aioengine.entrypoints.lifecycle import FLUSH_TIMEOUT_S, GracefulServer
-    from aioengine.entrypoints.server import build_app
+    from aioengine.entrypoints.openai.api_server import build_app
 
     origins = [o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()]
     from aioengine.entrypoints.limits import ConnectionLimits, timed_http_protocol

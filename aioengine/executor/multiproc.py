@@ -62,7 +62,7 @@ def _main_module_hidden():
     builds ``LLM(...)`` at top level (no ``if __name__ == "__main__"`` guard)
     would start the engine again inside its own worker.
     """
-    main = sys.modules.get("__main__")
+    main = sys.modules["__main__"]
     saved_file = getattr(main, "__file__", None)
     saved_spec = getattr(main, "__spec__", None)
     if saved_file is not None:
@@ -206,8 +206,10 @@ class MultiprocExecutor(Executor):
                     continue
                 if isinstance(msg, WorkerError):
                     errors[rank] = msg.message
-                else:
+                elif isinstance(msg, WorkerReady):
                     readies[rank] = msg
+                else:
+                    errors[rank] = f"sent {type(msg).__name__} before its handshake"
             if errors:
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         if errors or len(readies) < self.tp_size:
@@ -241,10 +243,16 @@ class MultiprocExecutor(Executor):
         return all(p.is_alive() for p in self.processes)
 
     @staticmethod
-    def _receive(data: bytes):
+    def _receive(data: bytes) -> ModelRunnerOutput | WorkerReady:
         msg = decode_from_worker(data)
         if isinstance(msg, WorkerError):
             raise WorkerDiedError(f"worker error:\n{msg.message}")
+        return msg
+
+    def _runner_output(self, data: bytes) -> ModelRunnerOutput:
+        msg = self._receive(data)
+        if not isinstance(msg, ModelRunnerOutput):
+            raise WorkerDiedError(f"the worker answered a step with {type(msg).__name__}")
         return msg
 
     def _died(self) -> WorkerDiedError:
@@ -257,7 +265,7 @@ class MultiprocExecutor(Executor):
             data = encode(scheduler_output)
             for ring in self.rings_in:
                 ring.put(data)
-            return self._receive(self.ring_out.get())
+            return self._runner_output(self.ring_out.get())
         except (EOFError, BrokenPipeError) as exc:
             raise self._died() from exc
 
@@ -267,7 +275,7 @@ class MultiprocExecutor(Executor):
             data = encode(scheduler_output)
             for ring in self.rings_in:
                 await ring.put_async(data)
-            return self._receive(await self.ring_out.get_async())
+            return self._runner_output(await self.ring_out.get_async())
         except (EOFError, BrokenPipeError) as exc:
             await asyncio.sleep(0)
             raise self._died() from exc
