@@ -9,9 +9,10 @@
   ``safetensors``; with ``quantization="int8"`` or ``"int4"`` the linear weights are
   quantized at load to GGML block formats (``QUANTIZATION_FORMATS``).
 
-The forward pass is ours (``aioengine.models.llama``); transformers only supplies
-config, tokenizer and chat template. Importing this module imports no torch: the
-engine process checks the model (``inspect_model``) before it starts a worker.
+The forward pass is ours (``aioengine.models.registry`` picks the family's class);
+transformers only supplies config, tokenizer and chat template. Importing this module
+imports no torch: the engine process checks the model (``inspect_model``) before it
+starts a worker.
 """
 
 from __future__ import annotations
@@ -129,11 +130,12 @@ def inspect_model(model_path: str, quantization: str = "none", dtype: str = "flo
         return ModelInfo(f.architecture, "gguf", dict(sorted(counts.items(),
                                                               key=lambda kv: -kv[1])))
     config = load_hf_config(model_path)
-    from aioengine.models.llama import SUPPORTED_MODEL_TYPES
+    from aioengine.models.registry import UnsupportedModelError, family_of_config
 
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{model_path}: model_type {config.model_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        family_of_config(config)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{model_path}: {exc}") from None
     tied = bool(getattr(config, "tie_word_embeddings", False))
     counts = {}
     for name, shape in _safetensors_shapes(model_path).items():
