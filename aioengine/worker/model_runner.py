@@ -20,7 +20,7 @@ from aioengine.config import EngineConfig
 from aioengine.distributed import parallel_state as tp
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, SchedulerOutput
 from aioengine.models import registry
-from aioengine.models.decoder import ModelArch
+from aioengine.models.decoder import DecoderArch
 from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.loader import load_hf_config, load_weights
 from aioengine.worker.sampler import SamplingBatch, sample
@@ -176,7 +176,7 @@ class ModelRunner:
         self.kv_cache_dtype = choose_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype,
                                                     "cpu")
         hf_config = load_hf_config(path)
-        self.arch = ModelArch.from_hf_config(hf_config)
+        self.arch = DecoderArch.from_hf_config(hf_config)
         model_class = registry.model_class(registry.family_of_config(hf_config))
         self.max_model_len = resolve_max_model_len(config, hf_config)
         weights = load_weights(path, hf_config, self.dtype, config.model.quantization)
