@@ -57,9 +57,12 @@ def load_tokenizer(model_path: str) -> Any:
     ``AutoTokenizer`` does not import torch: 1.1 s instead of 3.1 s in the engine
     process, while the worker imports torch on the other core.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    # Importing AutoTokenizer imports torch: only where it is needed.
+    from transformers import PreTrainedTokenizerFast
 
     if not is_gguf(model_path):
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(model_path)
     cached = tokenizer_cache_dir() / _tokenizer_key(model_path)
     if (cached / "tokenizer.json").is_file():
@@ -68,6 +71,8 @@ def load_tokenizer(model_path: str) -> Any:
         except Exception as exc:  # a damaged cache entry: rebuild it
             logger.warning("tokenizer cache %s unreadable (%s); rebuilding it", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
+    from transformers import AutoTokenizer
+
     p = Path(model_path)
     tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     try:
