@@ -75,7 +75,7 @@ def run_step(sched: Scheduler, drafts_for) -> None:
 
 
 def snapshot(sched: Scheduler, request: Request) -> dict:
-    kv = sched.kv
+    kv = sched.kv_cache_manager
     blocks = kv.req_to_blocks.get(request.request_id, [])
     return {
         "num_computed_tokens": request.num_computed_tokens,
@@ -115,7 +115,7 @@ def test_rollback_leaves_what_a_run_without_speculation_has(prompt_len, caching,
     while not b.is_finished:
         run_step(plain, None)
     assert a.output_token_ids == b.output_token_ids and len(a.output_token_ids) == 60
-    assert spec.kv.block_pool.num_free_blocks == NUM_BLOCKS
+    assert spec.kv_cache_manager.block_pool.num_free_blocks == NUM_BLOCKS
     assert spec.spec.stats.num_draft_tokens >= spec.spec.stats.num_accepted_tokens
 
 

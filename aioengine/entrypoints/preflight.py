@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The model types aioengine.models.llama implements (its SUPPORTED_MODEL_TYPES;
-# importing it here would import torch, and tests/test_bad_start.py holds the
-# two equal). GGUF files name their architecture with the same words.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from aioengine.models import registry
+
+# HF model types and GGUF architectures the model registry implements (torch-free).
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(registry.SUPPORTED_MODEL_TYPES
+                                              + registry.SUPPORTED_GGUF_ARCHITECTURES))
 MIN_KV_BLOCKS = 2  # ModelRunner refuses fewer
 
 _GGUF_MAGIC = b"GGUF"
@@ -44,7 +45,7 @@ _GGUF_MAGIC = b"GGUF"
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
             11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}  # auto: at most fp32
 
 
 class StartupError(Exception):
