@@ -102,6 +102,25 @@ class Beam:
     finish_reason: str | None = None
 
 
+@dataclass
+class BeamSearchSequence:
+    """One returned beam, as vLLM's: ``tokens`` holds prompt and output."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class BeamSearchOutput:
+    """vLLM's ``BeamSearchOutput``: the best beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
 class BeamSearchState:
     """One prompt's beam search (see the module docstring for the rules).
 
@@ -180,3 +199,98 @@ class BeamSearchState:
             self.running = []
             return []
         return [(i, token) for i, token, _ in survivors]
+
+
+class BeamSearchGroup:
+    """One beam-search request on the engine: its beams are ``Request``s whose KV
+    blocks are shared through forks (PagedAttention §4.4).
+
+    Each step every running beam computes one token and returns its top
+    ``num_candidates`` logprobs; the token the worker sampled is taken back
+    (``Request.pop_output_token``), and the beam waits, holding its blocks, until
+    every beam of the group has its candidates. Then ``BeamSearchState.step``
+    picks the survivors: a beam picked once continues itself with the chosen
+    token; each further pick forks it (``Scheduler.add_forked_request``: the new
+    beam shares every block, the partial last one included, copied on the first
+    write); beams not picked are freed.
+
+    Args:
+        request_id: the caller's id; beams are ``{request_id}#beam{n}``.
+        first: the beam that prefills the prompt.
+        params: the search settings.
+        eos_token_id: the model's EOS id, or None.
+    """
+
+    def __init__(self, request_id: str, first, params: BeamSearchParams,
+                 eos_token_id: int | None) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.state = BeamSearchState(params, set() if eos_token_id is None else {eos_token_id})
+        self.beams = [first]
+        self.prompt_token_ids = list(first.prompt_token_ids)
+        self._pending: dict[str, list[tuple[int, float]]] = {}
+        self._next_beam = 1
+
+    @property
+    def beam_ids(self) -> list[str]:
+        return [b.request_id for b in self.beams]
+
+    def accept(self, request, logprobs: list[tuple[int, float]] | None,
+               block_size: int) -> None:
+        """Take one beam's step result: its sampled token goes back, its
+        candidates are kept until the group steps."""
+        request.pop_output_token(block_size)
+        self._pending[request.request_id] = logprobs or []
+
+    def ready(self) -> bool:
+        return not self.state.done and all(b.request_id in self._pending for b in self.beams)
+
+    def advance(self, scheduler, make_request) -> bool:
+        """Step the search once every beam has its candidates.
+
+        Args:
+            scheduler: owner of the beams (forks and frees them).
+            make_request: ``(request_id, output_token_ids) -> Request`` for a new beam
+                with this group's prompt and settings.
+
+        Returns:
+            True once the search is done (every beam freed; ``finished`` holds
+            the results).
+        """
+        from aioengine.request import RequestStatus
+
+        candidates = []
+        for beam in self.beams:
+            best: dict[int, float] = {}
+            for token, lp in self._pending.pop(beam.request_id):
+                best.setdefault(token, lp)
+            candidates.append(list(best.items()))
+        picks = self.state.step(candidates)
+        if self.state.done:
+            scheduler.finish_requests(self.beam_ids, RequestStatus.FINISHED_STOPPED)
+            self.beams = []
+            return True
+        bases = [list(b.output_token_ids) for b in self.beams]
+        used: set[int] = set()
+        beams = []
+        for parent_index, token in picks:
+            parent = self.beams[parent_index]
+            if parent_index not in used:
+                used.add(parent_index)
+                parent.append_output_token_ids([token])
+                parent.engine_chose_tokens = True
+                beams.append(parent)
+                continue
+            child = make_request(f"{self.request_id}#beam{self._next_beam}",
+                                 bases[parent_index] + [token])
+            self._next_beam += 1
+            scheduler.add_forked_request(parent, child)
+            beams.append(child)
+        losers = [b.request_id for i, b in enumerate(self.beams) if i not in used]
+        scheduler.finish_requests(losers, RequestStatus.FINISHED_ABORTED)
+        self.beams = beams
+        return False
+
+    @property
+    def finished(self) -> list[Beam]:
+        return self.state.finished

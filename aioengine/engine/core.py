@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from aioengine.config import EngineConfig
 from aioengine.core.kv_cache_manager import KVCacheManager, cdiv
 from aioengine.core.scheduler import Scheduler
+from aioengine.engine.beam_search import BeamSearchGroup, BeamSearchParams
 from aioengine.engine.detokenizer import IncrementalDetokenizer
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, SchedulerOutput
 from aioengine.request import Request, RequestStatus
@@ -60,6 +61,8 @@ class EngineStats:
     num_requests_finished: int = 0
     last_step_time: float = 0.0
     last_forward_time: float = 0.0
+    num_kv_blocks_shared: int = 0
+    num_cow_copies: int = 0
     block_usage_map: list[int] = field(default_factory=list)
 
 
@@ -103,6 +106,8 @@ class EngineCore:
             tokenizer, len(tokenizer), self.eos_token_id)
         self._parents: dict[str, _ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
+        self._beam_groups: dict[str, BeamSearchGroup] = {}
+        self._beam_of: dict[str, BeamSearchGroup] = {}
         self._seed_rng = random.Random(config.model.seed)
         self._num_finished = 0
         self.last_step_time = 0.0
@@ -180,8 +185,81 @@ class EngineCore:
                     params.structured_outputs)
             self.scheduler.add_request(child)
 
+    def add_beam_search_request(self, request_id: str, prompt_token_ids: list[int],
+                                params: BeamSearchParams, priority: int = 0,
+                                cache_salt: str | None = None,
+                                arrival_time: float | None = None) -> None:
+        """Queue a beam search (``BeamSearchGroup``); its one ``RequestOutput``
+        comes when the search is done: ``params.beam_width`` completions, best
+        first, each with its ``cumulative_logprob``.
+
+        Raises:
+            RequestRejected: the request can never run.
+            SchedulerQueueFull: the waiting queue is full.
+            ValueError: ``request_id`` is already in use.
+        """
+        if request_id in self._parents or request_id in self._beam_groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, SamplingParams(max_tokens=params.max_tokens))
+        # Each beam computes one token a step; the group decides which continue, when
+        # a beam ends and which token it keeps, so the beam itself never stops on EOS.
+        beam_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens + 1,
+                                     ignore_eos=True)
+        eos = None if params.ignore_eos else self.eos_token_id
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+
+        def make_request(rid: str, output_token_ids: list[int]) -> Request:
+            r = Request(rid, prompt_token_ids, beam_params, params.max_tokens + 1,
+                        self.eos_token_id, priority, arrival, cache_salt)
+            r.append_output_token_ids(output_token_ids)
+            return r
+
+        first = make_request(f"{request_id}#beam0", [])
+        group = BeamSearchGroup(request_id, first, params, eos)
+        # Not a SamplingParams field (at most 20 there): the top 2k logprobs of every beam.
+        beam_params.logprobs = group.state.num_candidates
+        group.make_request = make_request
+        self.scheduler.add_request(first)
+        self._beam_groups[request_id] = group
+        self._beam_of[first.request_id] = group
+
+    def _step_beam_groups(self, groups: dict[str, BeamSearchGroup]) -> list[RequestOutput]:
+        outputs = []
+        for group in groups.values():
+            if not group.ready():
+                continue
+            old = set(group.beam_ids)
+            done = group.advance(self.scheduler, group.make_request)
+            for rid in old - set(group.beam_ids):
+                self._beam_of.pop(rid, None)
+            for beam in group.beams:
+                self._beam_of[beam.request_id] = group
+            if done:
+                self._beam_groups.pop(group.request_id, None)
+                self._num_finished += 1
+                outputs.append(self._beam_output(group))
+        return outputs
+
+    def _beam_output(self, group: BeamSearchGroup) -> RequestOutput:
+        completions = []
+        for i, beam in enumerate(group.finished):
+            tokens = beam.tokens
+            text_tokens = tokens[:-1] if beam.finish_reason == "stop" else tokens
+            completions.append(CompletionOutput(
+                index=i, text=self.tokenizer.decode(text_tokens, skip_special_tokens=True),
+                token_ids=list(tokens), finish_reason=beam.finish_reason,
+                cumulative_logprob=beam.cum_logprob))
+        return RequestOutput(group.request_id, group.prompt_token_ids, completions, True, 0)
+
     def abort_request(self, request_id: str) -> bool:
         """End a request and free its blocks. Returns False if it is unknown."""
+        group = self._beam_groups.pop(request_id, None)
+        if group is not None:
+            self.scheduler.finish_requests(group.beam_ids, RequestStatus.FINISHED_ABORTED)
+            for rid in group.beam_ids:
+                self._beam_of.pop(rid, None)
+            group.beams = []
+            return True
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return False
@@ -240,7 +318,14 @@ class EngineCore:
         produced something (only the samples that changed are listed)."""
         self.last_forward_time = ro.forward_time + ro.sample_time
         changed: dict[str, tuple[_ParentRequest, list[int]]] = {}
+        beam_groups: dict[str, BeamSearchGroup] = {}
         for request, token, logprobs in self.scheduler.update_from_output(so, ro):
+            group = self._beam_of.get(request.request_id)
+            if group is not None:
+                if token is not None:
+                    group.accept(request, logprobs, self.block_size)
+                    beam_groups[group.request_id] = group
+                continue
             entry = self._child_to_parent.get(request.request_id)
             if entry is None:
                 continue
@@ -280,7 +365,7 @@ class EngineCore:
                 completion.stop_reason = request.stop_reason
             changed.setdefault(parent.request_id, (parent, []))[1].append(index)
 
-        outputs = []
+        outputs = self._step_beam_groups(beam_groups) if beam_groups else []
         for parent, indices in changed.values():
             finished = all(c.finished for c in parent.completions)
             outputs.append(RequestOutput(
@@ -300,6 +385,11 @@ class EngineCore:
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with ``error`` set (worker crash)."""
         outputs = []
+        for group in list(self._beam_groups.values()):
+            self.abort_request(group.request_id)
+            outputs.append(RequestOutput(group.request_id, group.prompt_token_ids,
+                                         [CompletionOutput(0, finish_reason="abort")], True, 0,
+                                         error=message))
         for parent in list(self._parents.values()):
             self.abort_request(parent.request_id)
             for c in parent.completions:
@@ -327,6 +417,7 @@ class EngineCore:
             num_prompt_tokens=s.num_prompt_tokens, num_generation_tokens=s.num_generation_tokens,
             num_requests_finished=self._num_finished, last_step_time=self.last_step_time,
             last_forward_time=self.last_forward_time,
+            num_kv_blocks_shared=pool.num_shared_blocks, num_cow_copies=kv.num_cow_copies,
             block_usage_map=self.block_usage_map() if include_block_map else [])
 
     def block_usage_map(self) -> list[int]:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from aioengine.config import EngineConfig
+from aioengine.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from aioengine.engine.core import EngineCore
 from aioengine.engine.executor import make_executor
 from aioengine.models.loader import inspect_model, load_tokenizer
@@ -81,6 +82,46 @@ class LLM:
                    for c in convs]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_ids, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: str | Sequence[str | list[int] | dict],
+                    params: BeamSearchParams, use_tqdm: bool = False
+                    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, as vLLM's ``LLM.beam_search``; all prompts run
+        together, their beams sharing KV blocks copy-on-write.
+
+        Args:
+            prompts: strings, token-id lists, or vLLM prompt dicts (``{"prompt": ...}``
+                or ``{"prompt_token_ids": [...]}``).
+            params: beam width, max_tokens, length_penalty, early_stopping ...
+
+        Returns:
+            Per prompt, ``sequences``: the ``beam_width`` best beams, best first, each
+            with ``tokens`` (prompt and output), ``text`` (the output, EOS left out),
+            ``cum_logprob`` and ``finish_reason``.
+
+        Raises:
+            RequestRejected: a prompt that can never run (too long for the context).
+        """
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+            token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
+                         else list(prompt))
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_beam_search_request(request_id, token_ids, params)
+            ids.append(request_id)
+        final = self._run(ids, use_tqdm)
+        results = []
+        for rid in ids:
+            out = final[rid]
+            results.append(BeamSearchOutput([BeamSearchSequence(
+                tokens=out.prompt_token_ids + c.token_ids, cum_logprob=c.cumulative_logprob,
+                text=c.text, finish_reason=c.finish_reason) for c in out.outputs]))
+        return results
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}
