@@ -17,21 +17,37 @@ from parity import NEAR_TIE
 def hf_beam_search(model, prompt_ids: list[int], k: int, max_new_tokens: int,
                    length_penalty: float, early_stopping, eos_token_id: int | None
                    ) -> tuple[list[list[int]], list[float]]:
-    """HF's k best sequences (generated tokens, EOS kept, padding cut) and their scores."""
+    """HF's k best sequences (generated tokens, EOS kept, padding cut) and their scores.
+
+    Runs on one thread: beside a busy engine worker, HF's small batched matmuls ran
+    15x slower on two oversubscribed cores than on one.
+    """
     import torch
 
     ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         num_beams=k, num_return_sequences=k, do_sample=False,
-                         length_penalty=length_penalty, early_stopping=early_stopping,
-                         eos_token_id=eos_token_id, pad_token_id=-1 if eos_token_id is None
-                         else eos_token_id, output_scores=True, return_dict_in_generate=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = _generate(model, ids, k, max_new_tokens, length_penalty, early_stopping,
+                        eos_token_id)
+    finally:
+        torch.set_num_threads(threads)
     seqs = []
     for row in out.sequences[:, ids.shape[1]:].tolist():
         if eos_token_id is not None and eos_token_id in row:
             row = row[:row.index(eos_token_id) + 1]
         seqs.append([t for t in row if t != -1])
     return seqs, out.sequences_scores.tolist()
+
+
+def _generate(model, ids, k, max_new_tokens, length_penalty, early_stopping, eos_token_id):
+    import torch
+
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          num_beams=k, num_return_sequences=k, do_sample=False,
+                          length_penalty=length_penalty, early_stopping=early_stopping,
+                          eos_token_id=eos_token_id, pad_token_id=-1 if eos_token_id is None
+                          else eos_token_id, output_scores=True, return_dict_in_generate=True)
 
 
 def assert_beam_parity(name: str, ours: list[list[int]], our_scores: list[float],

@@ -21,6 +21,15 @@ EOS = 3
 VOCAB = 96
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: more threads only contend with the rest of a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen2():
     from transformers import AutoModelForCausalLM, Qwen2Config

@@ -62,6 +62,11 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
     early_stopping: bool | str = False
 
+    @property
+    def n(self) -> int:
+        """Sequences returned, as ``SamplingParams.n``."""
+        return self.beam_width
+
     def __post_init__(self) -> None:
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) \
                 or self.beam_width < 1:

@@ -163,8 +163,8 @@ class OpenAIServing:
             APIError: 400 naming the field whose schema, regex or grammar the
                 grammar library cannot compile.
         """
-        if params.structured_outputs is None:
-            return
+        if getattr(params, "structured_outputs", None) is None:
+            return  # none, or beam search (which refuses constraints)
         try:
             await self.engine.compile_grammar(params.structured_outputs)
         except GrammarError as exc:
