@@ -310,6 +310,10 @@ class SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam-search extension: n beams, the n best returned (no streaming).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """``(constraint, request field it came from)``, or ``(None, None)``.
