@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from aioengine import LLM
-    from aioengine.engine.multiproc_executor import check_parallel_config
+    from aioengine.models.arch import check_parallel_config
     from aioengine.config import EngineConfig
 
     tmp = None

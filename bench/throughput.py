@@ -224,7 +224,7 @@ async def _async_overhead(engine_kwargs: dict, requests: Sequence[BenchRequest],
 
     engine = await AsyncEngine.start(EngineConfig.from_kwargs(**engine_kwargs))
     try:
-        core = engine.core
+        core = engine.core.core  # the EngineCore inside the LLMEngine
         stats = core.scheduler.stats
         schedule = core.schedule
         records: dict[int, tuple[int, int, float, float]] = {}

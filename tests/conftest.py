@@ -1,4 +1,11 @@
-"""Shared fixtures: one real ``aioengine serve`` subprocess for the server tests.
+"""Shared fixtures: one real ``aioengine serve`` subprocess for the server tests;
+and the two test tiers.
+
+Tiers: the modules in ``UNIT_MODULES`` are the unit tier (``make test-fast``:
+no model file, no server or worker subprocess; tests/factories.py has the
+stand-ins), except their tests marked ``e2e``. Every other test is marked
+``e2e`` here at collection, so a new test module is end-to-end until it is
+listed. ``pytest -m "not e2e"`` runs the unit tier, ``pytest -m e2e`` the rest.
 
 ``server`` starts ``python -m aioengine.entrypoints.cli serve`` once per test
 session on a free port of 127.0.0.1, with a small KV cache and an API key
@@ -29,6 +36,18 @@ import httpx
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+UNIT_MODULES = frozenset({
+    "test_block_pool.py", "test_block_pool_property.py", "test_import_boundaries.py",
+    "test_kv_fork_cow.py",
+    "test_sampler.py", "test_scheduler.py", "test_shm_ring.py", "test_tool_parsers.py",
+    "test_unit_engine.py", "test_unit_http.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name not in UNIT_MODULES:
+            item.add_marker(pytest.mark.e2e)
 SERVER_START_TIMEOUT_S = 180.0
 TEST_API_KEY = "test-key-123"
 

@@ -7,9 +7,10 @@ The first tests pin down behaviours of ``KVCacheManager`` without a model
 default model in-process: one engine with caching on and a small KV cache
 (80 blocks of 16 tokens) and one with caching off as the reference. Greedy
 outputs are compared with the near-tie rule of DESIGN.md
-(``tests/parity.py``). The engine is stepped by hand (``schedule`` /
-``execute_model`` / ``process_output``) so the tests can read the block
-pool between steps.
+(``tests/parity.py``). The engine runs through ``LLM.run_until_finished``
+with the executor's ``execute_model`` and the engine's ``step`` wrapped, so
+the tests read the block pool between ``schedule()`` and the forward, and
+after each step.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from aioengine.core.block_pool import ROOT_BLOCK_HASH, hash_request_blocks
 from aioengine.config import SchedulerConfig
 from aioengine.core.kv_cache_manager import KVCacheManager, cdiv
 from aioengine.core.scheduler import Scheduler
-from aioengine.ipc.messages import ModelRunnerOutput
+from aioengine.engine.llm_engine import EngineStep
+from aioengine.ipc.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.request import Request
 from aioengine.sampling_params import CompletionOutput, RequestOutput
 from tests.parity import assert_greedy_parity
@@ -128,7 +130,7 @@ def run_fake_step(scheduler: Scheduler, slots: dict[tuple[int, int], int]) -> No
     K/V it holds. Like the model, it writes every new token first, then every
     scheduled request reads its whole context: each slot read must hold that
     request's token at that position."""
-    kv = scheduler.kv
+    kv = scheduler.kv_cache_manager
     so = scheduler.schedule()
     batch = [(scheduler.requests[rid], n) for rid, n in
              zip(so.req_ids(), so.num_scheduled_tokens)]
@@ -278,29 +280,37 @@ def drive(llm: LLM, requests: list[tuple[list[int], SamplingParams, str | None]]
         The final outputs in request order, and the most KV blocks in use
         right after any ``schedule()`` (blocks are allocated there).
     """
-    engine, pool = llm.engine, llm.engine.kv_cache_manager.block_pool
+    pool = llm.engine.kv_cache_manager.block_pool
     ids = []
     for token_ids, params, salt in requests:
         ids.append(f"pc{next(_ids)}")
-        engine.add_request(ids[-1], token_ids, params, cache_salt=salt)
-    completions: dict[str, dict[int, CompletionOutput]] = defaultdict(dict)
-    final: dict[str, RequestOutput] = {}
+        llm.add_request(ids[-1], token_ids, params, cache_salt=salt)
     peak = 0
-    while engine.has_unfinished_requests():
-        so = engine.schedule()
+    executor = llm.executor
+    execute_model = executor.execute_model
+
+    def checked_execute_model(so: SchedulerOutput) -> ModelRunnerOutput:
+        # Between schedule() and the forward: the blocks of this step are allocated.
+        nonlocal peak
         peak = max(peak, pool.num_used_blocks)
         if check_sharing:
             assert_shared_blocks_are_never_rewritten(llm, so)
-        ro = llm.executor.execute_model(so)
-        for out in engine.process_output(so, ro):
-            for c in out.outputs:
-                completions[out.request_id][c.index] = c
-            if out.finished:
-                out.outputs = [completions[out.request_id][k]
-                               for k in sorted(completions[out.request_id])]
-                final[out.request_id] = out
+        return execute_model(so)
+
+    engine_step = llm.engine.step
+
+    def checked_step() -> EngineStep:
+        step = engine_step()
         if check_sharing:
             assert_shared_blocks_are_never_rewritten(llm)
+        return step
+
+    executor.execute_model = checked_execute_model
+    llm.engine.step = checked_step
+    try:
+        final = llm.run_until_finished()
+    finally:
+        del executor.execute_model, llm.engine.step
     assert pool.num_used_blocks == 0
     return [final[i] for i in ids], peak
 

@@ -159,8 +159,7 @@ def test_quantized_forward_equals_the_dense_forward_on_dequantized_weights(hf_di
 def _arch(**kw) -> LlamaArch:
     base = dict(vocab_size=100, hidden_size=512, intermediate_size=512, num_layers=1,
                 num_heads=8, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
-                max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False,
-                inv_freq=torch.ones(32), attention_scaling=1.0)
+                max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False)
     return dataclasses.replace(LlamaArch(**base), **kw)
 
 

@@ -281,6 +281,7 @@ def test_forgotten_owner_unlinks_when_collected():
 # ----------------------------------------------------------- spawned worker
 
 
+@pytest.mark.e2e  # a spawned process
 def test_spawned_echo_on_uvloop_with_responsive_loop():
     proc, ring_in, ring_out = _start_echo(1 << 16)
     rng = random.Random(0)
@@ -327,6 +328,7 @@ def test_spawned_echo_on_uvloop_with_responsive_loop():
     assert exitcode == 0
 
 
+@pytest.mark.e2e  # a spawned process
 def test_sigkilled_worker_get_async_cancels_and_sees_eof():
     proc, ring_in, ring_out = _start_echo(1 << 12)
 
@@ -384,6 +386,7 @@ CHILD_EXIT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e  # a spawned process
 def test_no_resource_tracker_warnings_at_exit():
     """The whole engine process (and its tracker and workers) exits with a clean stderr."""
     script = CHILD_EXIT_SCRIPT.format(root=str(REPO_ROOT), tests=str(REPO_ROOT / "tests"))

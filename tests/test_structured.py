@@ -117,17 +117,27 @@ def test_columns_past_the_mask_are_forbidden():
 def test_a_request_whose_grammar_is_compiling_waits_while_others_run(tokenizer):
     from aioengine.config import EngineConfig
     from aioengine.engine.core import EngineCore
+    from aioengine.engine.input_processor import EngineCoreRequest
     from aioengine.sampling_params import SamplingParams
+    from aioengine.structured.manager import StructuredOutputManager
+
+    class NoExecutor:  # the core only reads the handshake's sizes here
+        num_blocks, max_model_len = 64, 2048
 
     config = EngineConfig.from_kwargs(model=default_model_path())
-    core = EngineCore(config, tokenizer, num_blocks=64, max_model_len=2048)
+    core = EngineCore(config, NoExecutor(), StructuredOutputManager(  # type: ignore[arg-type]
+        tokenizer, len(tokenizer), tokenizer.eos_token_id), tokenizer.eos_token_id)
+
+    def add_request(request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        core.add_requests([EngineCoreRequest(request_id, token_ids, params, params.max_tokens)])
+
     slow: Future = Future()
-    core.add_request("constrained", [1, 2, 3], SamplingParams(
+    add_request("constrained", [1, 2, 3], SamplingParams(
         max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+")))
     core.scheduler.requests["constrained"].structured_output_request = \
         StructuredOutputRequest(StructuredOutputsParams(regex="a+"), slow,
                                 core.structured_output_manager.backend)
-    core.add_request("free", [4, 5, 6], SamplingParams(max_tokens=4))
+    add_request("free", [4, 5, 6], SamplingParams(max_tokens=4))
     so = core.schedule()
     assert so.req_ids() == ["free"] and so.grammar_bitmask is None
     assert core.pending_grammars() == [slow]

@@ -13,21 +13,20 @@ preempted: its blocks are freed and it is recomputed later (Kwon et al. 2023,
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from aioengine.config import SchedulerConfig
 from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.errors import SchedulerQueueFull
 from aioengine.ipc.messages import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    SamplingMetadata,
     SchedulerOutput,
 )
 from aioengine.request import Request, RequestStatus
-
-
-class SchedulerQueueFull(RuntimeError):
-    """The waiting queue is at ``max_waiting_requests`` (HTTP 429)."""
 
 
 @dataclass
@@ -46,6 +45,26 @@ class SchedulerStats:
     num_generation_tokens: int = 0
 
 
+@dataclass
+class _StepBuilder:
+    """The step ``schedule()`` is building.
+
+    Attributes:
+        token_budget: tokens left of ``max_num_batched_tokens``.
+        num_scheduled_tokens: new tokens per scheduled request id.
+        new_block_ids: blocks allocated this step, per running request id.
+        scheduled_running, scheduled_new, scheduled_resumed: the requests
+            scheduled, by kind (resumed: back after a preemption).
+    """
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_running: list[Request] = field(default_factory=list)
+    scheduled_new: list[Request] = field(default_factory=list)
+    scheduled_resumed: list[Request] = field(default_factory=list)
+
+
 class Scheduler:
     """Decides what runs each step and applies the sampled tokens.
 
@@ -57,9 +76,10 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int, sampling_metadata) -> None:
+                 max_model_len: int,
+                 sampling_metadata: Callable[[Request], SamplingMetadata]) -> None:
         self.config = config
-        self.kv = kv_cache_manager
+        self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self._sampling_metadata = sampling_metadata
         self.requests: dict[str, Request] = {}
@@ -70,6 +90,7 @@ class Scheduler:
         self._known_to_worker: set[str] = set()
         self.stats = SchedulerStats()
         self._step_id = 0
+        self._scheduled_order: list[Request] = []
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -94,8 +115,9 @@ class Scheduler:
         (preempted) leaves the child to wait and recompute like any request.
         """
         self.requests[child.request_id] = child
-        if parent.status == RequestStatus.RUNNING and parent.request_id in self.kv.req_to_blocks:
-            self.kv.fork(parent, child)
+        if (parent.status == RequestStatus.RUNNING
+                and parent.request_id in self.kv_cache_manager.req_to_blocks):
+            self.kv_cache_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = max(parent.num_cached_tokens, 0)
             child.status = RequestStatus.RUNNING
@@ -120,7 +142,7 @@ class Scheduler:
             self._free(request)
 
     def _free(self, request: Request) -> None:
-        self.kv.free(request)
+        self.kv_cache_manager.free(request)
         if request.request_id in self._known_to_worker:
             self._known_to_worker.discard(request.request_id)
             self.finished_req_ids.append(request.request_id)
@@ -138,122 +160,143 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts, allocating their blocks."""
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
+        """Pick this step's requests and token counts, allocating their blocks:
+        running requests first, then waiting ones, then the message."""
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        self._schedule_waiting(step)
+        return self._make_output(step)
 
-        def pick_victim(than: Request | None = None) -> Request | None:
-            """The lowest-priority, latest-arrived running request; with ``than``,
-            only one of strictly lower priority than it. A request whose blocks
-            other requests hit earlier in this step is never picked: they read
-            the K/V it is about to write."""
-            candidates = [r for r in self.running
-                          if not self.kv.num_unwritten_shared_blocks(r)]
-            if not candidates:
-                return None
-            victim = max(candidates, key=Request.sort_key)
-            if than is not None and victim.priority <= than.priority:
-                return None
-            return victim
-
-        def preempt_worst(than: Request | None = None) -> Request | None:
-            nonlocal budget
-            victim = pick_victim(than)
-            if victim is None:
-                return None
-            self._preempt(victim)
-            if victim in scheduled_running:
-                scheduled_running.remove(victim)
-                budget += num_scheduled.pop(victim.request_id)
-                new_block_ids.pop(victim.request_id, None)
-            return victim
-
-        # Running requests first: a decode token each, or the next prompt chunk.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        """A decode token for each running request, or its next prompt chunk.
+        When blocks run out, requests are preempted (``_pick_victim``) until the
+        allocation fits; if the victim is the request itself, it waits."""
+        for request in list(self.running):
+            if step.token_budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted for an earlier request in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
             if num_new <= 0:
-                i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
-                victim = pick_victim()
+                victim = self._pick_victim()
                 if victim is None:
-                    break
-                victim_index = self.running.index(victim)
-                preempt_worst()
+                    break  # nothing can be preempted for it: it waits a step
+                self._preempt(victim, step)
                 if victim is request:
                     break
-                if victim_index < i:
-                    i -= 1
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_blocks is None:
-                if request in self.running:
-                    i += 1  # nothing could be preempted for it; it waits a step
-                continue  # else it was itself preempted and the list shifted
-            scheduled_running.append(request)
-            num_scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
-            budget -= num_new
-            i += 1
+                continue
+            step.scheduled_running.append(request)
+            step.num_scheduled_tokens[request.request_id] = num_new
+            step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            step.token_budget -= num_new
 
-        # Then waiting ones in (priority, arrival) order. A waiting request of
-        # strictly higher priority than a running one may preempt it for a seat
-        # or for blocks.
-        scheduled_new: list[Request] = []
-        resumed: list[Request] = []
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        """Waiting requests in (priority, arrival) order while the budget lasts.
+        A waiting request of strictly higher priority than a running one may
+        preempt it for a seat or for blocks; one whose grammar is still
+        compiling is passed over. After a preemption only higher-priority
+        requests than every running one are admitted (no thrashing)."""
         blocked_by_preemption = bool(self.preempted_req_ids)
-        next_waiting = 0  # index of the next waiting request to consider
-        while next_waiting < len(self.waiting) and budget > 0:
-            request = self.waiting[next_waiting]
+        index = 0  # of the next waiting request to consider
+        while index < len(self.waiting) and step.token_budget > 0:
+            request = self.waiting[index]
             if (request.structured_output_request is not None
                     and not request.structured_output_request.is_ready()):
-                next_waiting += 1  # its grammar is still compiling: it waits, others go
+                index += 1
                 continue
             if blocked_by_preemption and request.priority >= min(
                     (r.priority for r in self.running), default=request.priority):
                 break
             if len(self.running) >= self.config.max_num_seqs:
-                if preempt_worst(than=request) is None:
+                if not self._preempt_for(request, step):
                     break
                 continue
-            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            if not self.config.enable_chunked_prefill and num_new > step.token_budget:
                 break
-            num_new = min(num_new, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
-            if new_blocks is None:
-                if preempt_worst(than=request) is None:
+            num_new = min(num_new, step.token_budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+                if not self._preempt_for(request, step):
                     break
                 continue
-            self.waiting.pop(next_waiting)
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            if request.request_id in self._known_to_worker:
-                resumed.append(request)
-            else:
-                scheduled_new.append(request)
-                self._known_to_worker.add(request.request_id)
+            self.waiting.pop(index)
+            self._admit(request, num_hit, num_new, step)
 
+    def _admit(self, request: Request, num_hit: int, num_new: int, step: _StepBuilder) -> None:
+        """Move a waiting request whose blocks are allocated into ``running``."""
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.num_scheduled_tokens[request.request_id] = num_new
+        step.token_budget -= num_new
+        if request.request_id in self._known_to_worker:
+            step.scheduled_resumed.append(request)
+        else:
+            step.scheduled_new.append(request)
+            self._known_to_worker.add(request.request_id)
+
+    def _pick_victim(self, than: Request | None = None) -> Request | None:
+        """The one preemption rule: the lowest-priority, latest-arrived running
+        request; with ``than``, only one of strictly lower priority than it. A
+        request whose blocks other requests hit earlier in this step is never
+        picked: they read the K/V it is about to write."""
+        candidates = [r for r in self.running
+                      if not self.kv_cache_manager.num_unwritten_shared_blocks(r)]
+        if not candidates:
+            return None
+        victim = max(candidates, key=Request.sort_key)
+        if than is not None and victim.priority <= than.priority:
+            return None
+        return victim
+
+    def _preempt_for(self, request: Request, step: _StepBuilder) -> bool:
+        """Preempt a running request of lower priority than ``request``; False if none."""
+        victim = self._pick_victim(than=request)
+        if victim is None:
+            return False
+        self._preempt(victim, step)
+        return True
+
+    def _preempt(self, victim: Request, step: _StepBuilder | None = None) -> None:
+        """Free a running request's blocks and requeue it; it is recomputed
+        later (Kwon et al. 2023, §4.5). If ``step`` had already scheduled it,
+        its tokens go back to the budget."""
+        self.running.remove(victim)
+        self.kv_cache_manager.free(victim, num_valid_tokens=victim.num_computed_tokens)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if victim.request_id in self._known_to_worker:
+            self.preempted_req_ids.append(victim.request_id)
+        self._enqueue_waiting(victim)
+        if step is not None and victim in step.scheduled_running:
+            step.scheduled_running.remove(victim)
+            step.token_budget += step.num_scheduled_tokens.pop(victim.request_id)
+            step.new_block_ids.pop(victim.request_id, None)
+
+    def _make_output(self, step: _StepBuilder) -> SchedulerOutput:
+        """The step's ``SchedulerOutput`` (new requests, then running, then
+        resumed ones), and the bookkeeping of what the worker now knows."""
         # Forked requests (beam search) run straight from their parent's blocks but
-        # are new to the worker.
-        forked = [r for r in scheduled_running if r.request_id not in self._known_to_worker]
+        # are new to the worker, which gets their whole block table and tokens.
+        forked = [r for r in step.scheduled_running if r.request_id not in self._known_to_worker]
         if forked:
-            scheduled_running = [r for r in scheduled_running if r not in forked]
-            scheduled_new = forked + scheduled_new
+            step.scheduled_running = [r for r in step.scheduled_running if r not in forked]
+            step.scheduled_new = forked + step.scheduled_new
             self._known_to_worker.update(r.request_id for r in forked)
             for r in forked:
-                r.engine_chose_tokens = False
-                self.kv.take_cow_replaced(r.request_id)  # its whole table is sent
+                self.kv_cache_manager.take_cow_replaced(r.request_id)
+        for r in step.scheduled_new:
+            r.engine_chose_tokens = False
 
         def new_token_ids(r: Request) -> list[int]:
             if not r.engine_chose_tokens:
@@ -261,33 +304,32 @@ class Scheduler:
             r.engine_chose_tokens = False
             return r.all_token_ids[r.num_computed_tokens:]
 
-        for r in scheduled_new:
-            r.engine_chose_tokens = False
         self._step_id += 1
         new_reqs = [NewRequestData(
             req_id=r.request_id, token_ids=r.all_token_ids,
             num_prompt_tokens=r.num_prompt_tokens,
             sampling=self._sampling_metadata(r),
-            block_ids=self.kv.get_block_ids(r.request_id),
-            num_computed_tokens=r.num_computed_tokens) for r in scheduled_new]
+            block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+            num_computed_tokens=r.num_computed_tokens) for r in step.scheduled_new]
         cached_reqs = [CachedRequestData(
-            req_id=r.request_id, new_block_ids=new_block_ids[r.request_id],
+            req_id=r.request_id, new_block_ids=step.new_block_ids[r.request_id],
             num_computed_tokens=r.num_computed_tokens,
-            cow_block_ids=self.kv.take_cow_replaced(r.request_id),
-            new_token_ids=new_token_ids(r)) for r in scheduled_running]
+            cow_block_ids=self.kv_cache_manager.take_cow_replaced(r.request_id),
+            new_token_ids=new_token_ids(r)) for r in step.scheduled_running]
         cached_reqs += [CachedRequestData(
-            req_id=r.request_id, new_block_ids=self.kv.get_block_ids(r.request_id),
+            req_id=r.request_id, new_block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
             num_computed_tokens=r.num_computed_tokens, resumed=True,
-            new_token_ids=new_token_ids(r)) for r in resumed]
-        order = scheduled_new + scheduled_running + resumed
+            new_token_ids=new_token_ids(r))
+            for r in step.scheduled_resumed]
+        order = step.scheduled_new + step.scheduled_running + step.scheduled_resumed
         output = SchedulerOutput(
             step_id=self._step_id,
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=[num_scheduled[r.request_id] for r in order],
+            num_scheduled_tokens=[step.num_scheduled_tokens[r.request_id] for r in order],
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
-            copy_blocks=self.kv.take_copy_blocks(),
+            copy_blocks=self.kv_cache_manager.take_copy_blocks(),
         )
         self.finished_req_ids = []
         self.preempted_req_ids = []
@@ -300,27 +342,16 @@ class Scheduler:
         """The last ``schedule()``'s requests, in ``SchedulerOutput`` order."""
         return self._scheduled_order
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self.kv.free(request, num_valid_tokens=request.num_computed_tokens)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        if request.request_id in self._known_to_worker:
-            self.preempted_req_ids.append(request.request_id)
-        self._enqueue_waiting(request)
-
     def _record_step(self, output: SchedulerOutput) -> None:
-        s = self.stats
-        n = output.num_reqs
-        s.num_steps += n > 0
-        s.num_scheduled_reqs_last_step = n
-        s.num_scheduled_tokens_last_step = output.total_num_scheduled_tokens
-        s.max_reqs_in_step = max(s.max_reqs_in_step, n)
-        s.num_multi_request_steps += n > 1
-        s.num_running = len(self.running)
-        s.num_waiting = len(self.waiting)
+        stats = self.stats
+        num_reqs = output.num_reqs
+        stats.num_steps += num_reqs > 0
+        stats.num_scheduled_reqs_last_step = num_reqs
+        stats.num_scheduled_tokens_last_step = output.total_num_scheduled_tokens
+        stats.max_reqs_in_step = max(stats.max_reqs_in_step, num_reqs)
+        stats.num_multi_request_steps += num_reqs > 1
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput
                            ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
@@ -331,7 +362,7 @@ class Scheduler:
             still alive, in schedule order. Requests that reached EOS, a stop
             token, ``max_tokens`` or the context length are finished here.
         """
-        results = []
+        results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
         logprobs = runner_output.logprobs
         for k, (request, num_new) in enumerate(zip(self._scheduled_order,
                                                    output.num_scheduled_tokens)):

@@ -38,37 +38,11 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from aioengine.distributed.parallel_state import all_reduce
+from aioengine.models.arch import check_tensor_parallel_size
 from triton_kernels import quant
 from triton_kernels.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
-
-
-def check_tensor_parallel_size(tp_size: int, num_heads: int, num_kv_heads: int,
-                               intermediate_size: int) -> None:
-    """Refuse a ``tp_size`` the heads or the MLP cannot be split over evenly.
-
-    Raises:
-        ValueError: ``num_heads`` is not a multiple of ``tp_size``; or
-            ``num_kv_heads >= tp_size`` and not a multiple of it; or
-            ``num_kv_heads < tp_size`` and ``tp_size`` not a multiple of
-            ``num_kv_heads``; or ``intermediate_size`` not a multiple of it.
-            The message names the numbers.
-    """
-    if tp_size == 1:
-        return
-    if num_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
-                         f"{num_heads} attention heads")
-    if num_kv_heads >= tp_size and num_kv_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
-                         f"{num_kv_heads} KV heads")
-    if num_kv_heads < tp_size and tp_size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {tp_size} is not a multiple of the model's "
-                         f"{num_kv_heads} KV heads (needed to replicate KV heads evenly)")
-    if intermediate_size % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
-                         f"intermediate_size {intermediate_size}")
 
 
 def kv_heads_of_rank(rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:

@@ -14,25 +14,24 @@ import asyncio
 import importlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from aioengine.config import EngineConfig
 from aioengine.engine.beam_search import BeamSearchParams
-from aioengine.engine.core import EngineCore, EngineStats
-from aioengine.engine.executor import WorkerDiedError, make_executor, make_standby_executor
-from aioengine.ipc.messages import SchedulerOutput
-from aioengine.models.loader import ModelInfo, inspect_model, load_tokenizer, model_display_name
+from aioengine.engine.core import EngineStats
+from aioengine.engine.input_processor import InputProcessor
+from aioengine.engine.llm_engine import EngineStep, LLMEngine
+from aioengine.engine.parallel_sampling import parent_request_id
+from aioengine.errors import EngineDeadError, WorkerDiedError
+from aioengine.executor import Executor, make_executor, make_standby_executor
+from aioengine.models.loader import ModelInfo, inspect_model
 from aioengine.sampling_params import RequestOutput, SamplingParams
 from aioengine.structured.manager import StructuredOutputManager
 from aioengine.structured.params import StructuredOutputsParams
+from aioengine.tokenizer import load_tokenizer, model_display_name
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The worker died or is restarting, or the server is shutting down; in-flight
-    requests were ended (HTTP 503)."""
 
 
 class LatencyObserver(Protocol):
@@ -105,10 +104,10 @@ class AsyncEngine:
         self.model_path = config.model.model_path
         self.served_model_name = config.model.served_model_name or model_display_name(
             self.model_path)
-        self.tokenizer = None
+        self.tokenizer: Any = None
         self.model_info: ModelInfo | None = None
-        self.executor = None
-        self.core: EngineCore | None = None
+        self.executor: Executor | None = None
+        self.core: LLMEngine | None = None
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._step_task: asyncio.Task | None = None
@@ -118,7 +117,7 @@ class AsyncEngine:
         self.num_worker_restarts = 0
         self._restart_task: asyncio.Task | None = None
         # A spare executor (imports done, no model) that replaces a crashed one.
-        self._standby = None
+        self._standby: Executor | None = None
         self._standby_task: asyncio.Task | None = None
         # Seconds from each worker's death to serving again, oldest first.
         self.restart_times: list[float] = []
@@ -129,6 +128,7 @@ class AsyncEngine:
         self._retired_stats = dict.fromkeys(_CUMULATIVE_STATS, 0)
         self._retired_max_reqs_in_step = 0
         self.structured_output_manager: StructuredOutputManager | None = None
+        self._executor_factory: Callable[..., Executor] = make_executor
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -148,8 +148,22 @@ class AsyncEngine:
         self._begin_serving()
         return self
 
+    @classmethod
+    async def from_parts(cls, config: EngineConfig, tokenizer: Any,
+                         executor_factory: Callable[..., Executor]) -> AsyncEngine:
+        """An engine on a given tokenizer and executor (``executor_factory(config,
+        allow_kernel_build=...)`` also makes the replacement after a crash); no
+        model file is read. The unit tests run the whole engine on a stand-in
+        model this way."""
+        self = cls(config)
+        self._executor_factory = executor_factory
+        self.tokenizer = tokenizer
+        self.executor = executor_factory(config, allow_kernel_build=False)
+        self._begin_serving()
+        return self
+
     def _begin_serving(self) -> None:
-        """Fresh EngineCore (block manager) for the current executor; start stepping."""
+        """Fresh LLMEngine (block manager) for the current executor; start stepping."""
         if self.core is not None:  # a restart: keep the old core's counters
             old = self.core.stats()
             for name in _CUMULATIVE_STATS:
@@ -159,8 +173,9 @@ class AsyncEngine:
         if self.structured_output_manager is None:
             self.structured_output_manager = StructuredOutputManager(
                 self.tokenizer, len(self.tokenizer), self.tokenizer.eos_token_id)
-        self.core = EngineCore(self.config, self.tokenizer, self.executor.num_blocks,
-                               self.executor.max_model_len, self.structured_output_manager)
+        assert self.executor is not None
+        self.core = LLMEngine(self.config, self.tokenizer, self.executor,
+                              self.structured_output_manager)
         self._watch_worker()
         self._step_task = asyncio.get_running_loop().create_task(self._step_loop())
         self.healthy = True
@@ -181,7 +196,7 @@ class AsyncEngine:
             return
         self._standby = standby
 
-    async def _take_standby(self):
+    async def _take_standby(self) -> Executor | None:
         """The spare executor if it is still alive, else None (one that died is shut down)."""
         if self._standby_task is not None:
             await asyncio.gather(self._standby_task, return_exceptions=True)
@@ -195,7 +210,7 @@ class AsyncEngine:
     def _watch_worker(self) -> None:
         """Watch the worker's process sentinel on the loop: it becomes readable
         the moment the process exits (no polling of ``is_alive()``)."""
-        sentinel = getattr(self.executor, "sentinel", None)
+        sentinel = self.executor.sentinel if self.executor is not None else None
         if sentinel is None:
             return
         self._watched_sentinel = sentinel
@@ -209,9 +224,8 @@ class AsyncEngine:
     def _on_worker_exit(self) -> None:
         self._unwatch_worker()
         if not self._stopping:
-            process = (getattr(self.executor, "exited_process", None)
-                       or getattr(self.executor, "process", None))
-            code = getattr(process, "exitcode", None)
+            process = self.executor.exited_process if self.executor is not None else None
+            code = process.exitcode if process is not None else None
             self._worker_died(f"the model worker process died (exit code {code})")
 
     def _worker_died(self, message: str) -> None:
@@ -232,7 +246,8 @@ class AsyncEngine:
         t_died = time.monotonic()
         old = self.executor
         self._unwatch_worker()
-        await asyncio.to_thread(old.shutdown)   # unlinks the old rings
+        if old is not None:
+            await asyncio.to_thread(old.shutdown)   # unlinks the old rings
         standby = await self._take_standby()
         while not self._stopping:
             try:
@@ -240,7 +255,7 @@ class AsyncEngine:
                     executor, standby = standby, None
                     self.executor = await asyncio.to_thread(executor.activate)
                 else:
-                    self.executor = await asyncio.to_thread(make_executor, self.config,
+                    self.executor = await asyncio.to_thread(self._executor_factory, self.config,
                                                             allow_kernel_build=False)
                 break
             except Exception:
@@ -323,10 +338,11 @@ class AsyncEngine:
         await self.structured_output_manager.compile_async(params)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (long texts in a thread)."""
+        encode = self._input_processor().tokenize
         if len(text) < 2048:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.tokenizer.encode, text,
-                                       add_special_tokens=add_special_tokens)
+            return encode(text, add_special_tokens)
+        return await asyncio.to_thread(encode, text, add_special_tokens)
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                                   tools: list[dict] | None = None) -> list[int]:
@@ -336,16 +352,17 @@ class AsyncEngine:
         Raises:
             ValueError: the template rejects the messages.
         """
-        def render() -> list[int]:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                tools=tools)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-
+        render = self._input_processor().render_chat
         try:
-            return await asyncio.to_thread(render)
+            return await asyncio.to_thread(render, messages, add_generation_prompt, tools)
         except Exception as exc:  # jinja2 TemplateError and friends
             raise ValueError(f"chat template failed: {exc}") from exc
+
+    def _input_processor(self) -> InputProcessor:
+        if self.core is not None:
+            return self.core.input_processor
+        # Before the first worker is ready (tokenizing needs no cache sizes).
+        return InputProcessor(self.tokenizer, 0, self.config.cache.block_size, 0)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False while requests hold blocks."""
@@ -390,55 +407,60 @@ class AsyncEngine:
             self._worker_died(f"engine error: {exc!r}")
 
     async def _step_forever(self) -> None:
-        core = self.core
-        assert core is not None
+        engine = self.core
+        assert engine is not None
         while True:
-            if not core.has_unfinished_requests():
+            if not engine.has_unfinished_requests():
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             t0 = time.perf_counter()
-            so = core.schedule()
-            if so.num_reqs == 0 and not so.finished_req_ids:
-                pending = core.pending_grammars()
-                if pending:  # only requests whose grammar still compiles: wait for one
-                    await asyncio.wait([asyncio.wrap_future(f) for f in pending],
-                                       timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                # Nothing fits right now (should not happen with a valid cache size).
-                await asyncio.sleep(0)
-                continue
-            if so.scheduled_new_reqs:
-                self._record_scheduled(so)
             try:
-                ro = await self.executor.execute_model_async(so)
+                step = await engine.step_async()
             except WorkerDiedError as exc:
-                if not self.executor.is_alive():
+                if self.executor is None or not self.executor.is_alive():
                     self._worker_died(str(exc))
                     return
                 # The worker failed this step but lives: end these requests only.
                 logger.error("model step failed: %s", exc)
                 self._fail_all(f"engine error: {exc}")
                 continue
-            now = time.monotonic()
-            for output in core.process_output(so, ro):
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    self._record_output(stream, output, now)
-                    stream.put(output)
-                    if output.finished:
-                        del self._streams[output.request_id]
-            core.last_step_time = time.perf_counter() - t0
+            if not step.executed:
+                await self._wait_for_work(engine)
+                continue
+            self._publish(step, time.monotonic())
+            engine.core.last_step_time = time.perf_counter() - t0
             # Let handlers run between steps even when the executor answered at once.
             await asyncio.sleep(0)
 
-    def _record_scheduled(self, so: SchedulerOutput) -> None:
-        """Queue time of requests scheduled for the first time in ``so``."""
-        now = time.monotonic()
-        for new_req in so.scheduled_new_reqs:
-            # A child of an n > 1 request is "{parent}#{i}".
-            stream = (self._streams.get(new_req.req_id)
-                      or self._streams.get(new_req.req_id.rpartition("#")[0]))
+    @staticmethod
+    async def _wait_for_work(engine: LLMEngine) -> None:
+        """Nothing could be scheduled: wait for a grammar to compile, else yield."""
+        pending = engine.core.pending_grammars()
+        if pending:
+            await asyncio.wait([asyncio.wrap_future(f) for f in pending],
+                               timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            return
+        # Nothing fits right now (should not happen with a valid cache size).
+        await asyncio.sleep(0)
+
+    def _publish(self, step: EngineStep, now: float) -> None:
+        """Queue times of newly scheduled requests; each output to its stream."""
+        if step.scheduled_new_request_ids:
+            self._record_scheduled(step.scheduled_new_request_ids, step.scheduled_time)
+        for output in step.request_outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                self._record_output(stream, output, now)
+                stream.put(output)
+                if output.finished:
+                    del self._streams[output.request_id]
+
+    def _record_scheduled(self, request_ids: list[str], now: float) -> None:
+        """Queue time of requests scheduled for the first time."""
+        for request_id in request_ids:
+            stream = (self._streams.get(request_id)
+                      or self._streams.get(parent_request_id(request_id)))
             if stream is not None and stream.scheduled_time is None:
                 stream.scheduled_time = now
                 if self.latency_observer is not None:
@@ -453,7 +475,7 @@ class AsyncEngine:
             if stream.first_token_time is None:
                 stream.first_token_time = now
                 observer.observe_ttft(now - stream.arrival_time)
-            else:
+            elif stream.last_token_time is not None:
                 observer.observe_itl(now - stream.last_token_time)
             stream.last_token_time = now
         if output.finished and output.error is None:

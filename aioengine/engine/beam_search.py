@@ -31,9 +31,15 @@ scores on beams 1..k-1 make it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aioengine.sampling_params import SamplingParamError
+
+if TYPE_CHECKING:
+    from aioengine.core.scheduler import Scheduler
+    from aioengine.request import Request
 
 
 @dataclass
@@ -186,7 +192,7 @@ class BeamSearchState:
                         "stop" if token in self.eos_token_ids else "length")
                    for (score, i, token), end in zip(candidates[:k], ends) if end]
             if new:  # sorted() is stable: an earlier hypothesis wins a tie
-                self.finished = sorted(self.finished + new, key=lambda b: -b.score)[:k]
+                self.finished = sorted(self.finished + new, key=_neg_score)[:k]
 
         survivors = [(i, token, score) for (score, i, token), end in zip(candidates, ends)
                      if not end][:k]
@@ -204,6 +210,10 @@ class BeamSearchState:
             self.running = []
             return []
         return [(i, token) for i, token, _ in survivors]
+
+
+def _neg_score(beam: Beam) -> float:
+    return -(beam.score if beam.score is not None else -math.inf)
 
 
 class BeamSearchGroup:
@@ -224,39 +234,44 @@ class BeamSearchGroup:
         first: the beam that prefills the prompt.
         params: the search settings.
         eos_token_id: the model's EOS id, or None.
+        make_request: ``(request_id, output_token_ids) -> Request``: a new beam
+            with this group's prompt and settings.
     """
 
-    def __init__(self, request_id: str, first, params: BeamSearchParams,
-                 eos_token_id: int | None) -> None:
+    def __init__(self, request_id: str, first: Request, params: BeamSearchParams,
+                 eos_token_id: int | None,
+                 make_request: Callable[[str, list[int]], Request]) -> None:
         self.request_id = request_id
+        self.make_request = make_request
         self.params = params
         self.state = BeamSearchState(params, set() if eos_token_id is None else {eos_token_id})
         self.beams = [first]
         self.prompt_token_ids = list(first.prompt_token_ids)
         self._pending: dict[str, list[tuple[int, float]]] = {}
         self._next_beam = 1
+        self.num_cached_tokens = -1  # the prompt's prefix-cache hit, once known
 
     @property
     def beam_ids(self) -> list[str]:
         return [b.request_id for b in self.beams]
 
-    def accept(self, request, logprobs: list[tuple[int, float]] | None,
+    def accept(self, request: Request, logprobs: list[tuple[int, float]] | None,
                block_size: int) -> None:
         """Take one beam's step result: its sampled token goes back, its
         candidates are kept until the group steps."""
         request.pop_output_token(block_size)
         self._pending[request.request_id] = logprobs or []
+        if self.num_cached_tokens < 0 <= request.num_cached_tokens:
+            self.num_cached_tokens = request.num_cached_tokens
 
     def ready(self) -> bool:
         return not self.state.done and all(b.request_id in self._pending for b in self.beams)
 
-    def advance(self, scheduler, make_request) -> bool:
+    def advance(self, scheduler: Scheduler) -> bool:
         """Step the search once every beam has its candidates.
 
         Args:
             scheduler: owner of the beams (forks and frees them).
-            make_request: ``(request_id, output_token_ids) -> Request`` for a new beam
-                with this group's prompt and settings.
 
         Returns:
             True once the search is done (every beam freed; ``finished`` holds
@@ -286,7 +301,7 @@ class BeamSearchGroup:
                 parent.engine_chose_tokens = True
                 beams.append(parent)
                 continue
-            child = make_request(f"{self.request_id}#beam{self._next_beam}",
+            child = self.make_request(f"{self.request_id}#beam{self._next_beam}",
                                  bases[parent_index] + [token])
             self._next_beam += 1
             scheduler.add_forked_request(parent, child)

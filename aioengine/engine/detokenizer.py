@@ -13,6 +13,7 @@ and released when the request finishes without a match.
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 
@@ -28,8 +29,9 @@ class IncrementalDetokenizer:
             added (as vLLM's ``min_tokens``); a match must end after them.
     """
 
-    def __init__(self, tokenizer, stop: list[str], include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str],
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop

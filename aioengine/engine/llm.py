@@ -13,10 +13,12 @@ from tqdm import tqdm
 
 from aioengine.config import EngineConfig
 from aioengine.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from aioengine.engine.core import EngineCore
-from aioengine.engine.executor import make_executor
-from aioengine.models.loader import inspect_model, load_tokenizer
+from aioengine.engine.core import EngineStats
+from aioengine.engine.llm_engine import LLMEngine
+from aioengine.executor import make_executor
+from aioengine.models.loader import inspect_model
 from aioengine.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from aioengine.tokenizer import load_tokenizer
 
 
 class LLM:
@@ -38,104 +40,123 @@ class LLM:
         self.model_info = inspect_model(m.model_path, m.quantization, m.dtype)
         self.tokenizer = load_tokenizer(m.model_path)
         self.executor = make_executor(self.config)
-        self.engine = EngineCore(self.config, self.tokenizer, self.executor.num_blocks,
-                                 self.executor.max_model_len)
+        self.engine = LLMEngine(self.config, self.tokenizer, self.executor)
         self._counter = 0
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         Args:
-            prompts: strings, or token-id lists.
+            prompts: a string or a token-id list, or a sequence of them.
             sampling_params: one for all prompts or one per prompt.
             priority: per prompt, lower first.
         """
+        prompt_list: list[str | list[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompt_list = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
+        params_list = (list(params) if isinstance(params, Sequence)
+                       else [params] * len(prompt_list))
+        if len(params_list) != len(prompt_list):
             raise ValueError("need one SamplingParams per prompt")
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-            token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
-                         else list(prompt))
-            if p.structured_outputs is not None:  # GrammarError for a bad one, before queueing
-                self.engine.structured_output_manager.compile_sync(p.structured_outputs)
+        for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
+            token_ids = (self.engine.input_processor.tokenize(prompt) if isinstance(prompt, str)
+                         else [int(t) for t in prompt])
             request_id = str(self._counter)
             self._counter += 1
-            self.engine.add_request(request_id, token_ids, p,
-                                    priority=priority[i] if priority else 0)
+            self.add_request(request_id, token_ids, p, priority=priority[i] if priority else 0)
             ids.append(request_id)
-        final = self._run(ids, use_tqdm)
+        final = self.run_until_finished(use_tqdm)
         return [final[i] for i in ids]
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queue one request for the next ``run_until_finished``.
+
+        Raises:
+            GrammarError: a structured-output constraint that does not compile
+                (before anything is queued).
+            RequestRejected, SamplingParamError, SchedulerQueueFull, ValueError:
+                see ``LLMEngine.add_request``.
+        """
+        if params.structured_outputs is not None:
+            self.engine.structured_output_manager.compile_sync(params.structured_outputs)
+        self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
+                                cache_salt=cache_salt)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True
              ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
-                   for c in convs]
-        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        convs: list[list[dict[str, str]]] = (
+            [messages] if messages and isinstance(messages[0], dict)
+            else messages)  # type: ignore[assignment]
+        token_ids: list[str | list[int]] = [self.engine.input_processor.render_chat(c)
+                                            for c in convs]
         return self.generate(token_ids, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: str | Sequence[str | list[int] | dict],
+    def beam_search(self, prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
                     params: BeamSearchParams, use_tqdm: bool = False
                     ) -> list[BeamSearchOutput]:
-        """Beam search for every prompt, as vLLM's ``LLM.beam_search``; all prompts run
-        together, their beams sharing KV blocks copy-on-write.
+        """Beam search for every prompt, as vLLM's ``LLM.beam_search``; the prompts run
+        together, each one's beams sharing KV blocks copy-on-write.
 
         Args:
             prompts: strings, token-id lists, or vLLM prompt dicts (``{"prompt": ...}``
-                or ``{"prompt_token_ids": [...]}``).
+                or ``{"prompt_token_ids": [...]}``), one or a sequence of them.
             params: beam width, max_tokens, length_penalty, early_stopping ...
 
         Returns:
-            Per prompt, ``sequences``: the ``beam_width`` best beams, best first, each
-            with ``tokens`` (prompt and output), ``text`` (the output, EOS left out),
-            ``cum_logprob`` and ``finish_reason``.
+            Per prompt, in order, ``sequences``: the ``beam_width`` best beams, best
+            first, each with ``tokens`` (prompt and output), ``text`` (the output, EOS
+            left out), ``cum_logprob`` and ``finish_reason``.
 
         Raises:
             RequestRejected: a prompt that can never run (too long for the context).
         """
+        prompt_list: list
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompt_list = [prompts]
+        else:
+            prompt_list = list(prompts)
         ids = []
-        for prompt in prompts:
+        for prompt in prompt_list:
             if isinstance(prompt, dict):
                 prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
-            token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
-                         else list(prompt))
+            token_ids = (self.engine.input_processor.tokenize(prompt) if isinstance(prompt, str)
+                         else [int(t) for t in prompt])
             request_id = str(self._counter)
             self._counter += 1
             self.engine.add_beam_search_request(request_id, token_ids, params)
             ids.append(request_id)
-        final = self._run(ids, use_tqdm)
+        final = self.run_until_finished(use_tqdm)
         results = []
         for rid in ids:
             out = final[rid]
             results.append(BeamSearchOutput([BeamSearchSequence(
-                tokens=out.prompt_token_ids + c.token_ids, cum_logprob=c.cumulative_logprob,
+                tokens=out.prompt_token_ids + c.token_ids, cum_logprob=c.cumulative_logprob or 0.0,
                 text=c.text, finish_reason=c.finish_reason) for c in out.outputs]))
         return results
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+    def run_until_finished(self, use_tqdm: bool = False) -> dict[str, RequestOutput]:
+        """Step until every queued request has finished; the final
+        ``RequestOutput`` of each, by request id, with all its samples."""
         final: dict[str, RequestOutput] = {}
-        completions: dict[str, dict[int, CompletionOutput]] = {i: {} for i in ids}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        samples: dict[str, dict[int, CompletionOutput]] = {}
+        bar = tqdm(total=len(self.engine.output_processor.parents), desc="generate",
+                   disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
-            so = self.engine.schedule()
-            ro = self.executor.execute_model(so)
-            for out in self.engine.process_output(so, ro):
-                for c in out.outputs:
-                    completions[out.request_id][c.index] = c
+            for out in self.engine.step().request_outputs:
+                by_index = samples.setdefault(out.request_id, {})
+                by_index.update((c.index, c) for c in out.outputs)
                 if out.finished:
-                    out.outputs = [completions[out.request_id][k]
-                                   for k in sorted(completions[out.request_id])]
+                    out.outputs = [by_index[k] for k in sorted(by_index)]
                     final[out.request_id] = out
                     bar.update(1)
         bar.close()
@@ -145,7 +166,7 @@ class LLM:
         """Forget every cached prefix block (the next requests run cold)."""
         return self.engine.reset_prefix_cache()
 
-    def stats(self):
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def shutdown(self) -> None:

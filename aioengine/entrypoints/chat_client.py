@@ -528,7 +528,7 @@ class EmbeddedServer:
 
         import uvicorn
 
-        from aioengine.entrypoints.server import build_app
+        from aioengine.entrypoints.openai.api_server import build_app
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

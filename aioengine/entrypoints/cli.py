@@ -109,7 +109,7 @@ def _engine_config(args: argparse.Namespace):
         m = config.model  # every tensor's format and name, the quantization flag: one line too
         inspect_model(m.model_path, m.quantization, m.dtype)
         if config.parallel.tensor_parallel_size > 1:
-            from aioengine.engine.multiproc_executor import check_parallel_config
+            from aioengine.models.arch import check_parallel_config
 
             check_parallel_config(config)  # refuse a size the heads cannot split over
         return config
@@ -198,7 +198,7 @@ def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from aioengine.entrypoints.lifecycle import FLUSH_TIMEOUT_S, GracefulServer
-    from aioengine.entrypoints.server import build_app
+    from aioengine.entrypoints.openai.api_server import build_app
 
     origins = [o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()]
     from aioengine.entrypoints.limits import ConnectionLimits, timed_http_protocol

@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The model types aioengine.models.llama implements (its SUPPORTED_MODEL_TYPES;
-# importing it here would import torch, and tests/test_bad_start.py holds the
-# two equal). GGUF files name their architecture with the same words.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from aioengine.models import registry
+
+# HF model types and GGUF architectures the model registry implements (torch-free).
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(registry.SUPPORTED_MODEL_TYPES
+                                              + registry.SUPPORTED_GGUF_ARCHITECTURES))
 MIN_KV_BLOCKS = 2  # ModelRunner refuses fewer
 
 _GGUF_MAGIC = b"GGUF"

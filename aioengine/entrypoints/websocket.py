@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
 from typing import Any
 
+import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from aioengine.engine.async_engine import EngineDeadError
+from aioengine.entrypoints import ws_messages
+from aioengine.entrypoints.ws_messages import AuthOk, Delta, Done, Error, Hello, Pong
 from aioengine.entrypoints.protocol import (
     bearer_token,
     APIError,
@@ -33,6 +34,7 @@ from aioengine.entrypoints.protocol import (
 from aioengine.entrypoints.limits import ConnectionLimits, FrameRateLimiter
 from aioengine.entrypoints.quotas import KeyState, QuotaManager
 from aioengine.entrypoints.serving import OpenAIServing, RequestGroup
+from aioengine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -79,28 +81,29 @@ class WebSocketSession:
         return state is not None
 
     # -- sending --------------------------------------------------------------------------
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: ws_messages.ServerMessage) -> None:
+        await self._send_text(ws_messages.encode(message))
+
+    async def _send_text(self, text: str) -> None:
         async with self._send_lock:
-            await self.ws.send_text(json.dumps(message, separators=(",", ":")))
+            await self.ws.send_text(text)
 
     async def send_error(self, message: str, code: int, request_id: str | None = None,
                          param: str | None = None, retry_after: float | None = None) -> None:
-        body: dict[str, Any] = {"type": "error", "message": message, "code": code}
-        if request_id is not None:
-            body["id"] = request_id
-        if param is not None:
-            body["param"] = param
-        if retry_after is not None:
-            body["retry_after"] = max(1, round(retry_after))  # seconds, as Retry-After
-        await self.send(body)
+        unset = msgspec.UNSET
+        await self.send(Error(
+            message, code, unset if request_id is None else request_id,
+            unset if param is None else param,
+            # seconds, as Retry-After
+            unset if retry_after is None else max(1, round(retry_after))))
 
     # -- the receive loop ------------------------------------------------------------------
     async def run(self) -> None:
         await self.ws.accept()
-        await self.send({"type": "hello", "model": self.serving.model_name,
-                         "max_model_len": self.serving.max_model_len,
-                         "max_concurrent_requests": self.max_requests,
-                         "auth_required": not self.authenticated})
+        await self.send(Hello(model=self.serving.model_name,
+                              max_model_len=self.serving.max_model_len,
+                              max_concurrent_requests=self.max_requests,
+                              auth_required=not self.authenticated))
         limits = getattr(self.ws.app.state, "limits", None) or ConnectionLimits()
         frames = FrameRateLimiter(limits.ws_max_frames_per_s, limits.ws_frame_burst)
         try:
@@ -150,7 +153,7 @@ class WebSocketSession:
         if kind == "auth":
             await self._auth(message)
         elif kind == "ping":
-            await self.send({"type": "pong"})
+            await self.send(Pong())
         elif not self.authenticated:
             await self.send_error("authenticate first: send {\"type\": \"auth\", \"api_key\": "
                                   "...} or connect with ?api_key=", 401, echo_id)
@@ -179,7 +182,7 @@ class WebSocketSession:
         key = message.get("api_key")
         if self.quotas is None or (isinstance(key, str) and self._key_matches(key)):
             self.authenticated = True
-            await self.send({"type": "auth_ok"})
+            await self.send(AuthOk())
         else:
             await self.send_error("invalid API key", 401)
 
@@ -259,15 +262,13 @@ class WebSocketSession:
                         t_first = time.perf_counter()
                     if c.delta_text or c.delta_token_ids:
                         text_parts.append(c.delta_text)
-                        delta: dict[str, Any] = {"type": "delta", "id": client_id,
-                                                 "text": c.delta_text,
-                                                 "token_ids": c.delta_token_ids}
+                        delta = Delta(client_id, c.delta_text, c.delta_token_ids)
                         if streamer is not None:
                             content, calls = (streamer.finish(c.text) if c.finish_reason
                                               else streamer.update(c.text))
-                            delta["content"] = content
+                            delta.content = content
                             if calls:
-                                delta["tool_calls"] = calls
+                                delta.tool_calls = calls
                         await self.send(delta)
                     if c.finish_reason is not None:
                         finish_reason, stop_reason = c.finish_reason, c.stop_reason
@@ -285,21 +286,20 @@ class WebSocketSession:
             tokens_per_s = None
             if t_first is not None and num_tokens > 1 and t_end > t_first:
                 tokens_per_s = (num_tokens - 1) / (t_end - t_first)
-            await self.send({
-                "type": "done", "id": client_id, "finish_reason": finish_reason,
-                "stop_reason": stop_reason, "text": "".join(text_parts),
-                "usage": make_usage(prompt_len, num_tokens, cached).model_dump(),
-                "ttft_s": None if t_first is None else t_first - t_start,
-                "tokens_per_s": tokens_per_s,
-                **({"tool_calls": streamer.tool_calls} if streamer is not None else {})})
+            await self.send(Done(
+                id=client_id, finish_reason=finish_reason, stop_reason=stop_reason,
+                text="".join(text_parts),
+                usage=make_usage(prompt_len, num_tokens, cached).model_dump(),
+                ttft_s=None if t_first is None else t_first - t_start,
+                tokens_per_s=tokens_per_s,
+                tool_calls=streamer.tool_calls if streamer is not None else msgspec.UNSET))
         except asyncio.CancelledError:
             if self.closing:
                 raise
             # Cancelled before the engine request existed: still one "done".
-            await self.send({"type": "done", "id": client_id, "finish_reason": "abort",
-                             "stop_reason": None, "text": "", "ttft_s": None,
-                             "tokens_per_s": None,
-                             "usage": make_usage(prompt_len, 0, 0).model_dump()})
+            await self.send(Done(id=client_id, finish_reason="abort", stop_reason=None, text="",
+                                 usage=make_usage(prompt_len, 0, 0).model_dump(),
+                                 ttft_s=None, tokens_per_s=None))
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass  # the socket went away while sending; close() cleans up
         except Exception:
@@ -315,8 +315,7 @@ class WebSocketSession:
         try:
             while True:
                 stats = engine.stats(include_block_map=True)
-                await self.send({"type": "stats", "time": time.time(),
-                                 **dataclasses.asdict(stats)})
+                await self._send_text(ws_messages.encode_stats(time.time(), stats))
                 await asyncio.sleep(STATS_INTERVAL_S)
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass

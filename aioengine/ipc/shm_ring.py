@@ -100,7 +100,8 @@ import time
 import weakref
 from multiprocessing import reduction, resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import Literal, Self, TypeAlias
+from collections.abc import Sequence
+from typing import Any, Literal, Self, TypeAlias
 
 Role = Literal["producer", "consumer"]
 Buffer: TypeAlias = "bytes | bytearray | memoryview"
@@ -198,7 +199,9 @@ class RingHandle:
         return f"RingHandle(name={self.name!r}, capacity={self.capacity}, role={self.role!r})"
 
 
-def _rebuild_handle(name: str, capacity: int, role: Role, data_dup, space_dup) -> RingHandle:
+def _rebuild_handle(
+    name: str, capacity: int, role: Role, data_dup: Any, space_dup: Any
+) -> RingHandle:
     return RingHandle(name, capacity, role, data_dup.detach(), space_dup.detach())
 
 
@@ -224,7 +227,7 @@ def _attach_untracked(name: str) -> SharedMemory:
             register(res_name, rtype)
 
     with _attach_lock:
-        resource_tracker.register = register_others
+        resource_tracker.register = register_others  # type: ignore[assignment]
         try:
             return SharedMemory(name=name)
         finally:
@@ -282,7 +285,9 @@ class ShmRing:
         segment = _Segment(shm, [data_fd, space_fd], owner)
         self._segment = segment
         self._finalizer = weakref.finalize(self, segment.finalize)
-        header = shm.buf[:_HEADER_SIZE].cast("Q")
+        buf = shm.buf
+        assert buf is not None  # an open segment
+        header = buf[:_HEADER_SIZE].cast("Q")
         segment.views.append(header)
         if header[_MAGIC_IDX] != _MAGIC:
             self._finalizer()
@@ -293,7 +298,7 @@ class ShmRing:
         self.capacity: int = header[_CAPACITY_IDX]
         self._is_producer = role == "producer"
         self._header = header
-        self._data = shm.buf[_HEADER_SIZE : _HEADER_SIZE + self.capacity]
+        self._data = buf[_HEADER_SIZE : _HEADER_SIZE + self.capacity]
         self._data_words = self._data.cast("Q")
         segment.views += [self._data, self._data_words]
         self._data_fd = data_fd
@@ -333,6 +338,7 @@ class ShmRing:
         name = f"{name_prefix}_{os.getpid()}_{secrets.token_hex(4)}"
         shm = SharedMemory(name=name, create=True, size=_HEADER_SIZE + capacity)
         try:
+            assert shm.buf is not None  # just created
             header = shm.buf[:_HEADER_SIZE].cast("Q")
             header[_CAPACITY_IDX] = capacity
             header[_MAGIC_IDX] = _MAGIC
@@ -403,6 +409,7 @@ class ShmRing:
         """
         if not self._is_producer:
             raise RuntimeError(f"{self!r} is the consumer's end; it cannot put")
+        views: Sequence[bytes | bytearray | memoryview]
         if len(parts) == 1 and type(parts[0]) is bytes:
             views = parts
             nbytes = len(parts[0])

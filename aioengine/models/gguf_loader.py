@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from aioengine.models import registry
 from aioengine.models.gguf_file import GGUFFile, checked_type
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from triton_kernels.quant import QuantizedWeight
 
 #: ``general.architecture`` values this engine runs (``llama`` also covers Mistral files).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = registry.SUPPORTED_GGUF_ARCHITECTURES
 
 # llama.cpp tensor names (gguf.TENSOR_NAMES for MODEL_ARCH.LLAMA) -> HF parameter names.
 _GLOBAL_NAMES = {
@@ -51,15 +52,99 @@ _BLOCK_NAMES = {
 # -- the model: config, checks, weights ---------------------------------------------------------
 
 
-def hf_name(gguf_name: str) -> str | None:
+# -- per-architecture tensor names and metadata (llama.cpp's gguf-py TENSOR_NAMES and
+# convert_hf_to_gguf.py, read backwards) ---------------------------------------------------
+
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma: ``ffn_norm`` is the norm before the MLP, its post-attention norm has a name of its own.
+_GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, **_QK_NORM_NAMES,
+                      "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3: Q/K/V in one tensor; ``ffn_up`` holds gate and up (gate rows first).
+_PHI3_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                     "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+                     "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
+ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "llama": _BLOCK_NAMES,
+    "qwen2": _BLOCK_NAMES,
+    "qwen3": {**_BLOCK_NAMES, **_QK_NORM_NAMES},
+    "gemma2": {k: v for k, v in _GEMMA_BLOCK_NAMES.items() if k not in _QK_NORM_NAMES},
+    "gemma3": _GEMMA_BLOCK_NAMES,
+    "phi3": _PHI3_BLOCK_NAMES,
+}
+#: Architectures whose converter permutes Q/K rows for GPT-J-style RoPE (``LlamaModel``).
+PERMUTED_ARCHITECTURES = ("llama",)
+#: Architectures whose converter stores RMSNorm weights as ``1 + weight`` (Gemma).
+NORM_SHIFTED_ARCHITECTURES = ("gemma2", "gemma3")
+
+
+def block_names(architecture: str) -> dict[str, str]:
+    """llama.cpp block tensor name -> HF name under ``model.layers.{i}.``."""
+    return ARCH_BLOCK_NAMES.get(architecture, _BLOCK_NAMES)
+
+
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The HF parameter name of a llama.cpp tensor name, or None when it has none."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = block_names(architecture)
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES \
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names \
             and parts[3] in ("weight", "bias"):
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
+
+
+def _family_config(f: GGUFFile, config: dict[str, Any]) -> None:
+    """The keys of ``config`` (HF names) that one architecture adds or changes, in place.
+
+    Gemma: llama.cpp keeps no ``query_pre_attn_scalar`` (it scales by
+    ``1/sqrt(head_dim)``, or ``1/sqrt(hidden/heads)`` for the 27B models, which it
+    recognises by their layer count: 46 for Gemma 2, 62 for Gemma 3) and no layer
+    pattern (every other layer local for Gemma 2, five of six for Gemma 3); Gemma 3's
+    local layers use ``rope.freq_base_swa`` (10000) and no scaling.
+    """
+    arch, n = f.architecture, config["num_hidden_layers"]
+    family = registry.family_of_gguf(arch)
+    config["model_type"] = family.model_types[0]
+    config["architectures"] = [family.architectures[0]]
+    window = f.arch_key("attention.sliding_window")
+    if arch in ("gemma2", "gemma3"):
+        big = n == (46 if arch == "gemma2" else 62)
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+        config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                           if big else config["head_dim"])
+        config["final_logit_softcapping"] = f.arch_key("final_logit_softcapping")
+        config["attn_logit_softcapping"] = f.arch_key("attn_logit_softcapping")
+        # ``attention.sliding_window_pattern``: a period (layer i local unless the last of
+        # its period), or one bool per layer (True: local); llama.cpp's default without it.
+        pattern = f.arch_key("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        if isinstance(pattern, list):
+            if len(pattern) != n:
+                raise ValueError(f"{f.path}: {arch}.attention.sliding_window_pattern has "
+                                 f"{len(pattern)} entries for {n} layers")
+            local = [bool(p) for p in pattern]
+        else:
+            local = [i % int(pattern) < int(pattern) - 1 for i in range(n)]
+        config["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
+        config["sliding_window"] = int(window or 4096)
+        if arch == "gemma3":
+            full = dict(config.pop("rope_scaling") or {"rope_type": "default"})
+            full["rope_theta"] = config.pop("rope_theta")
+            config["rope_parameters"] = {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": float(
+                    f.arch_key("rope.freq_base_swa", 10000.0))}}
+    elif arch == "phi3":
+        if window:
+            config["sliding_window"] = int(window)
+        rope_dim = _int_key(f, "rope.dimension_count", config["head_dim"])
+        if rope_dim != config["head_dim"]:
+            config["partial_rotary_factor"] = rope_dim / config["head_dim"]
+        if "rope_factors_long.weight" in f.tensors:
+            raise ValueError(f"{f.path}: LongRoPE factors in a GGUF file (rope_factors_long) "
+                             f"are not supported yet; use the HF checkpoint")
 
 
 def _int_key(f: GGUFFile, suffix: str, default: int | None = None) -> int:
@@ -89,14 +174,15 @@ def hf_config_dict(f: GGUFFile) -> dict[str, Any]:
     """
     arch = f.architecture
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"{f.path}: GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+        raise registry.UnsupportedModelError(
+            f"{f.path}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
     hidden = _int_key(f, "embedding_length")
     heads = _int_key(f, "attention.head_count")
     kv_heads = _int_key(f, "attention.head_count_kv", heads)
     head_dim = _int_key(f, "attention.key_length", hidden // heads if heads else 0)
     rope_dim = _int_key(f, "rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":
         raise ValueError(f"{f.path}: RoPE over {rope_dim} of {head_dim} head dimensions "
                          f"(partial rotary) is not supported")
     embed = f.tensors.get("token_embd.weight")
@@ -105,8 +191,6 @@ def hf_config_dict(f: GGUFFile) -> dict[str, Any]:
         tokens = f.metadata.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if tokens is not None else (embed.shape[0] if embed else None)
     config: dict[str, Any] = {
-        "model_type": arch,
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": _int_key(f, "feed_forward_length"),
@@ -121,6 +205,7 @@ def hf_config_dict(f: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "attention_bias": "blk.0.attn_q.bias" in f.tensors,
     }
+    _family_config(f, config)
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         value = f.metadata.get(f"tokenizer.ggml.{key}")
@@ -164,11 +249,12 @@ def check_gguf_model(f: GGUFFile) -> dict[str, Any]:
     config = hf_config_dict(f)
     for info in f.tensors.values():
         checked_type(f.path, info)
-        if hf_name(info.name) is None:
+        if hf_name(info.name, f.architecture) is None:
             raise ValueError(f"{f.path}: tensor {info.name!r} has no counterpart in the "
                              f"{f.architecture} model")
     needed = ["token_embd.weight", "output_norm.weight"] + [
-        f"blk.{i}.{n}.weight" for i in range(config["num_hidden_layers"]) for n in _BLOCK_NAMES]
+        f"blk.{i}.{n}.weight" for i in range(config["num_hidden_layers"])
+        for n in block_names(f.architecture)]
     missing = [n for n in needed if n not in f.tensors]
     if missing:
         raise ValueError(f"{f.path}: tensors missing: {', '.join(missing[:4])}"
@@ -256,22 +342,26 @@ def load_gguf_weights(f: GGUFFile, config: dict[str, Any]
     """Every tensor under its HF name, in its stored format (see ``map_tensor``).
 
     For the ``llama`` architecture, Q and K rows (and biases) are put back in HF order
-    (``unpermute_rows``); Qwen2 files are written unpermuted. ``rope_freqs`` (llama3
+    (``unpermute_rows``); Qwen2/3, Gemma and Phi-3 files are written unpermuted. Gemma's
+    norms come back as HF's ``weight`` (the file holds ``1 + weight``). ``rope_freqs`` (llama3
     RoPE) comes back under that name, fp32 ``[head_dim / 2]``.
 
     Args:
         config: ``hf_config_dict(f)`` (head counts for the permutation).
     """
-    permuted = f.architecture == "llama"
+    permuted = f.architecture in PERMUTED_ARCHITECTURES
+    shifted = f.architecture in NORM_SHIFTED_ARCHITECTURES
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for name in f.tensors:
-        target = hf_name(name)
+        target = hf_name(name, f.architecture)
         if target is None:
             raise ValueError(f"{f.path}: tensor {name!r} has no counterpart in the model")
         t = map_tensor(f, name)
         if permuted and (".attn_q." in name or ".attn_k." in name):
             n = heads if ".attn_q." in name else kv_heads
             t = _gather_rows(t, unpermute_rows(t.shape[0], n))
+        if shifted and target.endswith("norm.weight"):
+            t = t - 1.0  # the converter stored Gemma's 1 + weight; HF terms are weight
         weights[target] = t
     return weights

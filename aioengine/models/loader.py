@@ -9,25 +9,30 @@
   ``safetensors``; with ``quantization="int8"`` or ``"int4"`` the linear weights are
   quantized at load to GGML block formats (``QUANTIZATION_FORMATS``).
 
-The forward pass is ours (``aioengine.models.llama``); transformers only supplies
-config, tokenizer and chat template. Importing this module imports no torch: the
-engine process checks the model (``inspect_model``) before it starts a worker.
+The forward pass is ours (``aioengine.models.registry`` picks the family's class);
+transformers only supplies config, tokenizer and chat template. Importing this module
+imports no torch: the engine process checks the model (``inspect_model``) before it
+starts a worker.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from gguf import GGMLQuantizationType
+
+# Moved to aioengine.tokenizer (the engine process loads it without model code).
+from aioengine.tokenizer import (  # noqa: F401
+    load_tokenizer,
+    model_display_name,
+    tokenizer_cache_dir,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -125,11 +130,12 @@ def inspect_model(model_path: str, quantization: str = "none", dtype: str = "flo
         return ModelInfo(f.architecture, "gguf", dict(sorted(counts.items(),
                                                               key=lambda kv: -kv[1])))
     config = load_hf_config(model_path)
-    from aioengine.models.llama import SUPPORTED_MODEL_TYPES
+    from aioengine.models.registry import UnsupportedModelError, family_of_config
 
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{model_path}: model_type {config.model_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        family_of_config(config)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{model_path}: {exc}") from None
     tied = bool(getattr(config, "tie_word_embeddings", False))
     counts = {}
     for name, shape in _safetensors_shapes(model_path).items():
@@ -184,7 +190,7 @@ def _hf_format(name: str, shape: tuple[int, ...], quantization: str
     return qtype if shape[1] % GGML_QUANT_SIZES[qtype][0] == 0 else None
 
 
-# -- config, tokenizer, name -----------------------------------------------------------------
+# -- config (the tokenizer and display name moved to aioengine.tokenizer) --------------------
 
 
 def load_hf_config(model_path: str):
@@ -202,75 +208,6 @@ def load_hf_config(model_path: str):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_path)
-
-
-def tokenizer_cache_dir() -> Path:
-    """Where GGUF tokenizers are cached: ``$AIOENGINE_CACHE_DIR`` or
-    ``$XDG_CACHE_HOME/aioengine`` (``~/.cache/aioengine``), then ``tokenizers/``."""
-    root = os.environ.get("AIOENGINE_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                            "aioengine")
-    return Path(root) / "tokenizers"
-
-
-def _tokenizer_key(model_path: str) -> str:
-    import tokenizers
-    import transformers
-
-    st = os.stat(model_path)
-    ident = (f"{os.path.realpath(model_path)}|{st.st_size}|{st.st_mtime_ns}|"
-             f"{transformers.__version__}|{tokenizers.__version__}")
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
-
-
-def load_tokenizer(model_path: str):
-    """Fast tokenizer (with chat template) of a GGUF file or an HF folder.
-
-    A GGUF file's tokenizer is built by transformers from the file's metadata
-    (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``: about 7 s for a 49k
-    vocabulary on this machine, most of it transformers parsing the file with
-    ``gguf.GGUFReader``), then saved with ``save_pretrained`` under
-    ``tokenizer_cache_dir()``, keyed by the file's path, size and mtime and the
-    transformers and tokenizers versions; later loads read that ``tokenizer.json``
-    (about 0.3 s). Writing the cache is best effort.
-    """
-    from transformers import AutoTokenizer
-
-    if not is_gguf(model_path):
-        return AutoTokenizer.from_pretrained(model_path)
-    cached = tokenizer_cache_dir() / _tokenizer_key(model_path)
-    if (cached / "tokenizer.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(cached))
-        except Exception as exc:  # a damaged cache entry: rebuild it
-            logger.warning("tokenizer cache %s unreadable (%s); rebuilding it", cached, exc)
-            shutil.rmtree(cached, ignore_errors=True)
-    p = Path(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
-        tokenizer.save_pretrained(str(tmp))
-        try:
-            os.rename(tmp, cached)  # atomic; another process may have won the race
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as exc:
-        logger.info("tokenizer cache not written (%s)", exc)
-    return tokenizer
-
-
-def model_display_name(model_path: str) -> str:
-    """The model's own name: GGUF ``general.name`` with the file stem as fallback,
-    or the folder name of an HF checkout."""
-    p = Path(model_path)
-    if p.suffix == ".gguf":
-        name = p.stem
-        # Q4_1 and similar quantization suffixes are not part of the model's name.
-        base, _, quant = name.rpartition(".")
-        return base if base and quant.upper().startswith(("Q", "F", "BF", "IQ")) else name
-    return p.resolve().name
 
 
 # -- weights ---------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ import torch
 from aioengine.config import EngineConfig
 from aioengine.distributed import parallel_state as tp
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, SchedulerOutput
-from aioengine.models.llama import AttentionMetadata, LlamaArch, LlamaForCausalLM
+from aioengine.models import registry
+from aioengine.models.decoder import ModelArch
+from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.loader import load_hf_config, load_weights
 from aioengine.worker.sampler import SamplingBatch, sample
 import triton_kernels
@@ -101,14 +103,15 @@ class ModelRunner:
         self.dtype = DTYPES[config.model.dtype]
         path = config.model.model_path
         hf_config = load_hf_config(path)
-        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.arch = ModelArch.from_hf_config(hf_config)
+        model_class = registry.model_class(registry.family_of_config(hf_config))
         self.max_model_len = resolve_max_model_len(config, hf_config)
         weights = load_weights(path, hf_config, self.dtype, config.model.quantization)
         t_weights = time.perf_counter() - t0
         # Build (first run on a machine) or load the C++ CPU kernels now rather than in
         # the first request's step; None means the torch path, which is logged.
         cpu_ops.load()
-        self.model = LlamaForCausalLM(self.arch, weights, self.dtype, self.max_model_len + 1)
+        self.model = model_class(self.arch, weights, self.dtype, self.max_model_len + 1)
         formats = ", ".join(f"{k} x{v}" for k, v in self.model.weight_formats().items())
         logger.info("weights: %s (%.1f MB%s), loaded in %.2f s", formats,
                     self.model.parameter_bytes() / 1e6,

@@ -1,0 +1,223 @@
+"""The engine roles without a model (unit tier): ``InputProcessor``,
+``EngineCore``, ``OutputProcessor``, ``parallel_sampling`` and ``LLMEngine``
+on the stand-in model of ``tests/factories.py``; the executor interface; the
+old import paths."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from aioengine.engine.input_processor import InputProcessor
+from aioengine.engine.llm_engine import LLMEngine
+from aioengine.engine.parallel_sampling import ParentRequest, child_request_id, parent_request_id
+from aioengine.errors import RequestRejected, SamplingParamError, SchedulerQueueFull
+from aioengine.executor.abstract import Executor
+from aioengine.sampling_params import RequestOutput, SamplingParams
+from tests.factories import (
+    FakeExecutor,
+    greedy_output,
+    make_config,
+    make_tokenizer,
+    start_fake_engine,
+)
+
+
+def make_engine(num_blocks: int = 64, max_model_len: int = 512, **config) -> LLMEngine:
+    config.setdefault("num_gpu_blocks_override", num_blocks)
+    return LLMEngine(make_config(**config), make_tokenizer(),
+                     FakeExecutor(num_blocks=num_blocks, max_model_len=max_model_len))
+
+
+def run(engine: LLMEngine) -> dict[str, RequestOutput]:
+    """Step to the end; per request its outputs' samples gathered by index."""
+    final: dict[str, RequestOutput] = {}
+    samples: dict[str, dict] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().request_outputs:
+            samples.setdefault(out.request_id, {}).update((c.index, c) for c in out.outputs)
+            if out.finished:
+                out.outputs = [samples[out.request_id][i] for i in sorted(samples[out.request_id])]
+                final[out.request_id] = out
+    return final
+
+
+def prompt(i: int, length: int = 20) -> list[int]:
+    return [70 + (i * 13 + k * 7) % 26 for k in range(length)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_greedy_outputs_are_the_stand_in_models():
+    engine = make_engine()
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt(i), GREEDY)
+    final = run(engine)
+    for i in range(3):
+        assert final[f"r{i}"].outputs[0].token_ids == greedy_output(prompt(i), 6)
+        assert final[f"r{i}"].outputs[0].finish_reason == "length"
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+    assert engine.stats().num_requests_finished == 3
+
+
+def test_a_tiny_cache_preempts_and_loses_or_repeats_nothing():
+    """12 blocks of 4 tokens for 6 requests of 20 + 12 tokens: preemption must
+    happen, and every output equals the stand-in model's greedy output."""
+    engine = make_engine(num_blocks=12, max_num_seqs=6)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", prompt(i), params)
+    final = run(engine)
+    assert engine.stats().num_preemptions > 0
+    for i in range(6):
+        assert final[f"r{i}"].outputs[0].token_ids == greedy_output(prompt(i), 12), i
+
+
+def test_n_samples_fan_out_share_the_prompt_and_gather_back():
+    engine = make_engine()
+    params = SamplingParams(temperature=1.0, max_tokens=5, n=3, seed=7, ignore_eos=True)
+    engine.add_request("p", prompt(0, 16), params)
+    assert sorted(engine.scheduler.requests) == ["p#0", "p#1", "p#2"]
+    assert [engine.scheduler.requests[f"p#{i}"].seed for i in range(3)] == [7, 8, 9]
+    final = run(engine)["p"]
+    assert [c.index for c in final.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1, "seeds differ per sample"
+    assert final.num_cached_tokens == 0
+    assert engine.kv_cache_manager.prefix_cache_hits >= 12, "children share the prompt"
+    assert (child_request_id("p", 1, 3), parent_request_id("p#1")) == ("p#1", "p")
+    assert parent_request_id("solo") == "solo"
+
+
+def test_stop_string_ends_the_sample_and_frees_it_in_the_core():
+    tokenizer = make_tokenizer()
+    text = tokenizer.decode(greedy_output(prompt(1), 30))
+    stop = text[4:6]
+    engine = make_engine()
+    engine.add_request("s", prompt(1), SamplingParams(temperature=0, max_tokens=30,
+                                                      stop=[stop], ignore_eos=True))
+    deltas = []
+    while engine.has_unfinished_requests():
+        for out in engine.step().request_outputs:
+            deltas.append(out.outputs[0].delta_text)
+            last = out
+    completion = last.outputs[0]
+    assert completion.text == text[:text.index(stop)] == "".join(deltas)
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    assert len(completion.token_ids) < 30 and "s" not in engine.scheduler.requests
+
+
+def test_abort_frees_blocks_and_unknown_ids_are_false():
+    engine = make_engine()
+    engine.add_request("a", prompt(0), SamplingParams(max_tokens=50, n=2, ignore_eos=True))
+    engine.step()
+    assert engine.kv_cache_manager.block_pool.num_used_blocks > 0
+    assert engine.abort_request("a") and not engine.abort_request("a")
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_full_queue_takes_none_of_the_children():
+    engine = make_engine(max_waiting_requests=4)
+    engine.add_request("a", prompt(0), SamplingParams(max_tokens=2, n=3))
+    with pytest.raises(SchedulerQueueFull):
+        engine.add_request("b", prompt(1), SamplingParams(max_tokens=2, n=2))
+    assert sorted(engine.scheduler.requests) == ["a#0", "a#1", "a#2"]
+    assert not engine.output_processor.has_request("b")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", prompt(0), SamplingParams(max_tokens=2))
+
+
+def test_input_processor_refusals_name_the_field():
+    processor = InputProcessor(make_tokenizer(), max_model_len=32, block_size=4, num_blocks=100)
+    small_cache = InputProcessor(make_tokenizer(), max_model_len=64, block_size=4, num_blocks=6)
+    assert processor.validate([1, 2, 3], SamplingParams(max_tokens=None)) == 29
+    cases = [(processor, [], SamplingParams(), "prompt"),
+             (processor, [1] * 32, SamplingParams(), "prompt"),
+             (processor, [1, 2], SamplingParams(max_tokens=31), "max_tokens"),
+             (processor, [10_000], SamplingParams(), "prompt"),
+             (small_cache, [1, 2], SamplingParams(max_tokens=23), "max_tokens")]  # 7 blocks
+    for checker, token_ids, params, field in cases:
+        with pytest.raises(RequestRejected) as info:
+            checker.validate(token_ids, params)
+        assert info.value.param == field, (token_ids, params)
+    assert small_cache.validate([1, 2], SamplingParams(max_tokens=22)) == 22  # 6 blocks
+    with pytest.raises(SamplingParamError):
+        processor.validate([1], SamplingParams(max_tokens=1, logit_bias={10_000: 1.0}))
+    chat = processor.render_chat([{"role": "user", "content": "hi"}])
+    assert make_tokenizer().decode(chat).endswith("<|im_start|>assistant\n")
+
+
+def test_fail_all_ends_every_request_with_the_error():
+    engine = make_engine()
+    engine.add_request("a", prompt(0), SamplingParams(max_tokens=9, n=2, ignore_eos=True))
+    engine.add_request("b", prompt(1), SamplingParams(max_tokens=9, ignore_eos=True))
+    engine.step()
+    outputs = engine.fail_all("worker died")
+    assert sorted(o.request_id for o in outputs) == ["a", "b"]
+    assert all(o.finished and o.error == "worker died" for o in outputs)
+    assert all(c.finish_reason == "abort" for o in outputs for c in o.outputs)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_parent_request_without_seed_leaves_the_draw_to_the_core():
+    engine = make_engine()
+    request = engine.input_processor.process_inputs("x", [1, 2], SamplingParams(n=2,
+                                                                                max_tokens=1))
+    parent = ParentRequest(request)
+    assert [c.seed for c in parent.child_requests] == [None, None]
+    engine.core.add_requests(parent.child_requests)
+    seeds = [engine.scheduler.requests[f"x#{i}"].seed for i in range(2)]
+    assert seeds[0] != seeds[1]
+
+
+def test_async_engine_streams_and_cancelling_aborts():
+    async def go():
+        engine = await start_fake_engine()
+        try:
+            engine.executor.delay_s = 0.01
+            texts = [o.outputs[0].text async for o in engine.generate(
+                "hey", SamplingParams(temperature=0, max_tokens=4))]
+            assert texts[-1] == make_tokenizer().decode(
+                greedy_output(make_tokenizer().encode("hey"), 4))
+            stream = engine.generate("hey", SamplingParams(max_tokens=200, ignore_eos=True))
+            await stream.__anext__()
+            await stream.aclose()  # the client went away
+            assert engine.num_in_flight == 0
+            assert engine.stats().num_kv_blocks_used == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_the_executor_interface_is_enforced():
+    class Half(Executor):
+        def execute_model(self, scheduler_output):
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()  # type: ignore[abstract]
+    fake = FakeExecutor()
+    assert fake.sentinel is None and fake.exited_process is None and fake.activate() is fake
+
+
+def test_old_import_paths_still_work():
+    from aioengine import LLM, AsyncEngine, SamplingParams  # noqa: F401
+    from aioengine.core.scheduler import SchedulerQueueFull as A
+    from aioengine.engine.async_engine import EngineDeadError as B
+    from aioengine.engine.core import RequestRejected as C
+    from aioengine.engine.executor import InprocExecutor, WorkerDiedError as D, make_executor
+    from aioengine.engine.multiproc_executor import MultiprocExecutor, check_parallel_config
+    from aioengine.entrypoints.server import DEFAULT_WEB_DIR, build_app
+    from aioengine.errors import EngineDeadError, RequestRejected, WorkerDiedError
+    from aioengine.models.loader import load_tokenizer
+    from aioengine.tokenizer import load_tokenizer as moved
+
+    assert (A, B, C, D) == (SchedulerQueueFull, EngineDeadError, RequestRejected,
+                            WorkerDiedError)
+    assert load_tokenizer is moved and callable(build_app) and DEFAULT_WEB_DIR.name == "web"
+    assert issubclass(InprocExecutor, Executor) and issubclass(MultiprocExecutor, Executor)
+    assert callable(make_executor) and callable(check_parallel_config)
