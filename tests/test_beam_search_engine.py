@@ -118,7 +118,7 @@ def test_four_beams_use_well_under_four_sequences_of_blocks(default_llm):
         peak = max(peak, pool.num_used_blocks)
         (out,) = engine.process_output(so, executor.execute_model(so)) or [None]
         steps += 1
-    one_sequence = cdiv(len(prompt) + 64, engine.block_size)
+    one_sequence = cdiv(len(prompt) + 64, engine.kv_cache_manager.block_size)
     print(f"\n4-beam request, {len(prompt)}-token prompt, 64 new tokens: peak {peak} blocks, "
           f"one sequence {one_sequence} blocks ({peak / one_sequence:.2f}x)")
     assert out is not None and [len(c.token_ids) for c in out.outputs] == [64] * 4
