@@ -31,9 +31,8 @@ def test_completions_and_chat_return_hf_beams(server):
                        "max_tokens": 12, "temperature": 0, "length_penalty": 1.0}),
         (CHAT, {"messages": messages, "use_beam_search": True, "n": 2, "max_tokens": 12,
                 "early_stopping": True}))
-    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(chat_ids, dict):
-        chat_ids = chat_ids["input_ids"]
+    chat_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False)
     for body, prompt_ids, es, key in ((comp, tok.encode(PROMPT), False, "text"),
                                       (chat, list(chat_ids), True, "message")):
         ref, _ = hf_beam_search(hf_model(), prompt_ids, 2, 12, 1.0, es, tok.eos_token_id)
