@@ -167,6 +167,25 @@ def verify(runner: ModelRunner, logits: torch.Tensor, states: list[CachedRequest
     return tokens, num_accepted, logprobs_out
 
 
+def rollback_block_tables(states: list[CachedRequestState], seq_lens: np.ndarray,
+                          num_draft: np.ndarray, num_accepted: np.ndarray,
+                          block_size: int) -> None:
+    """Mirror ``KVCacheManager.rollback`` in the worker's block tables: after
+    a verification the scheduler keeps ``cdiv(num_computed_tokens, block_size)``
+    blocks of the request, so the next step's new block ids continue from
+    there (otherwise they land one entry too far and K/V go to a freed block).
+
+    Args:
+        seq_lens: ``[len(states)]`` tokens in the cache after this step's forward.
+        num_draft, num_accepted: ``[len(states)]`` per request.
+    """
+    for state, seq_len, k, a in zip(states, seq_lens.tolist(), num_draft.tolist(),
+                                    num_accepted.tolist()):
+        if k:
+            valid = seq_len - (k - a)
+            state.num_blocks = min(state.num_blocks, -(-valid // block_size))
+
+
 class DraftProposer:
     """Drafts for the next step, from the requests' token rows (n-gram).
 

@@ -350,6 +350,8 @@ class ModelRunner:
                 # Accepted drafts already sit in the rows after the last token.
                 for state, n in zip(sampling_states, num_accepted.tolist()):
                     state.num_tokens += n
+                verifier.rollback_block_tables(sampling_states, seq_lens[sampling_mask],
+                                               num_draft[sampling_mask], num_accepted, bs)
                 num_accepted_out = np.zeros(len(states), dtype=np.int64)
                 num_accepted_out[sampling_mask] = num_accepted
                 num_accepted_out = num_accepted_out.tolist()
