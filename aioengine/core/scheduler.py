@@ -105,6 +105,26 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
 
+    def add_forked_request(self, parent: Request, child: Request) -> None:
+        """Start ``child`` from ``parent``'s KV blocks (beam search's fork).
+
+        The child's first ``parent.num_computed_tokens`` tokens must be the
+        parent's. A running parent shares its written blocks with the child
+        (``KVCacheManager.fork``) and the child runs from the next step on,
+        reaching the worker as a new request; a parent without blocks
+        (preempted) leaves the child to wait and recompute like any request.
+        """
+        self.requests[child.request_id] = child
+        if (parent.status == RequestStatus.RUNNING
+                and parent.request_id in self.kv_cache_manager.req_to_blocks):
+            self.kv_cache_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:
+            self._enqueue_waiting(child)
+
     def _enqueue_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
@@ -266,6 +286,24 @@ class Scheduler:
     def _make_output(self, step: _StepBuilder) -> SchedulerOutput:
         """The step's ``SchedulerOutput`` (new requests, then running, then
         resumed ones), and the bookkeeping of what the worker now knows."""
+        # Forked requests (beam search) run straight from their parent's blocks but
+        # are new to the worker, which gets their whole block table and tokens.
+        forked = [r for r in step.scheduled_running if r.request_id not in self._known_to_worker]
+        if forked:
+            step.scheduled_running = [r for r in step.scheduled_running if r not in forked]
+            step.scheduled_new = forked + step.scheduled_new
+            self._known_to_worker.update(r.request_id for r in forked)
+            for r in forked:
+                self.kv_cache_manager.take_cow_replaced(r.request_id)
+        for r in step.scheduled_new:
+            r.engine_chose_tokens = False
+
+        def new_token_ids(r: Request) -> list[int]:
+            if not r.engine_chose_tokens:
+                return []
+            r.engine_chose_tokens = False
+            return r.all_token_ids[r.num_computed_tokens:]
+
         self._step_id += 1
         new_reqs = [NewRequestData(
             req_id=r.request_id, token_ids=r.all_token_ids,
@@ -275,10 +313,13 @@ class Scheduler:
             num_computed_tokens=r.num_computed_tokens) for r in step.scheduled_new]
         cached_reqs = [CachedRequestData(
             req_id=r.request_id, new_block_ids=step.new_block_ids[r.request_id],
-            num_computed_tokens=r.num_computed_tokens) for r in step.scheduled_running]
+            num_computed_tokens=r.num_computed_tokens,
+            cow_block_ids=self.kv_cache_manager.take_cow_replaced(r.request_id),
+            new_token_ids=new_token_ids(r)) for r in step.scheduled_running]
         cached_reqs += [CachedRequestData(
             req_id=r.request_id, new_block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-            num_computed_tokens=r.num_computed_tokens, resumed=True)
+            num_computed_tokens=r.num_computed_tokens, resumed=True,
+            new_token_ids=new_token_ids(r))
             for r in step.scheduled_resumed]
         order = step.scheduled_new + step.scheduled_running + step.scheduled_resumed
         output = SchedulerOutput(
@@ -288,6 +329,7 @@ class Scheduler:
             num_scheduled_tokens=[step.num_scheduled_tokens[r.request_id] for r in order],
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
+            copy_blocks=self.kv_cache_manager.take_copy_blocks(),
         )
         self.finished_req_ids = []
         self.preempted_req_ids = []

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from aioengine.config import EngineConfig
+from aioengine.engine.beam_search import BeamSearchParams
 from aioengine.engine.core import EngineStats
 from aioengine.engine.input_processor import InputProcessor
 from aioengine.engine.llm_engine import EngineStep, LLMEngine
@@ -278,9 +279,12 @@ class AsyncEngine:
         return f"{prefix}-{self._counter}"
 
     # -- requests ----------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
-        """Queue a request and return its stream.
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | BeamSearchParams, priority: int = 0,
+                    cache_salt: str | None = None) -> RequestStream:
+        """Queue a request and return its stream. A ``BeamSearchParams`` request
+        yields one output, when the search is done (``beam_width`` completions,
+        best first).
 
         Raises:
             EngineDeadError: the worker is down (503).
@@ -291,7 +295,11 @@ class AsyncEngine:
             raise EngineDeadError("the server is shutting down")
         if not self.healthy or self.core is None:
             raise EngineDeadError("the engine is not ready (the model worker is restarting)")
-        self.core.add_request(request_id, prompt_token_ids, params, priority, cache_salt)
+        if isinstance(params, BeamSearchParams):
+            self.core.add_beam_search_request(request_id, prompt_token_ids, params, priority,
+                                              cache_salt)
+        else:
+            self.core.add_request(request_id, prompt_token_ids, params, priority, cache_salt)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._wakeup.set()

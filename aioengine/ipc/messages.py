@@ -50,13 +50,20 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     """A request the worker knows: blocks added since last step.
 
     When ``resumed`` is true the request was preempted and ``new_block_ids``
-    is its whole new block table (replacing the old one).
+    is its whole new block table (replacing the old one). ``cow_block_ids``
+    lists ``(block table index, new block id)`` entries that copy-on-write
+    replaced this step (the copies are in ``SchedulerOutput.copy_blocks``).
+    ``new_token_ids``, when not empty, are the tokens at positions
+    ``num_computed_tokens..`` as the engine chose them, replacing what the
+    worker sampled (beam search keeps continuations it did not sample).
     """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     resumed: bool = False
+    cow_block_ids: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
@@ -79,6 +86,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
     preempted_req_ids: list[str]
     structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: bytes | None = None
+    copy_blocks: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -24,6 +24,7 @@ from aioengine.models.decoder import DecoderArch
 from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.loader import load_hf_config, load_weights
 from aioengine.worker.sampler import SamplingBatch, sample
+import triton_kernels
 from triton_kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -259,8 +260,15 @@ class ModelRunner:
             ids = cached.new_block_ids
             if cached.resumed:
                 state.num_blocks = 0
+            for index, block_id in cached.cow_block_ids:
+                self.block_table[state.row, index] = block_id
             self.block_table[state.row, state.num_blocks:state.num_blocks + len(ids)] = ids
             state.num_blocks += len(ids)
+            if cached.new_token_ids:
+                start = cached.num_computed_tokens
+                self.token_ids[state.row, start:start + len(cached.new_token_ids)] = \
+                    cached.new_token_ids
+                state.num_tokens = start + len(cached.new_token_ids)
             scheduled.append(state)
         return scheduled
 
@@ -269,6 +277,10 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Raises KeyError if the delta names an unknown request."""
         t0 = time.perf_counter()
+        if so.copy_blocks:
+            # Copy-on-write: before this step's forward writes into the copies.
+            triton_kernels.copy_blocks(self.kv_cache,
+                                       torch.tensor(so.copy_blocks, dtype=torch.int64))
         states = self._update_states(so)
         if not states:
             return ModelRunnerOutput(so.step_id, [], None, 0.0, 0.0)

@@ -22,7 +22,7 @@
 // here with TORCH_CHECK, which surfaces as RuntimeError.
 //
 // One file per kernel: attention.{h,cpp}, norm_act.{h,cpp}, linear.{h,cpp},
-// decode_layers.{h,cpp}, quant_ops.{h,cpp}; shared SIMD helpers in simd.h. Every .cpp of
+// decode_layers.{h,cpp}, quant_ops.{h,cpp}, copy_blocks.cpp; shared SIMD helpers in simd.h. Every .cpp of
 // csrc/ is compiled (cpu_ops.py globs them).
 
 #include <torch/extension.h>
@@ -33,6 +33,8 @@
 #include "norm_act.h"
 #include "quant_ops.h"
 
+void copy_blocks(at::Tensor kv_cache, const at::Tensor& block_mapping);  // copy_blocks.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel releases the GIL, as torch's own ops do: an in-process engine runs steps
   // in a thread beside its event loop.
@@ -40,6 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &aioengine::paged_attention_decode, release());
   m.def("fused_add_rms_norm", &aioengine::fused_add_rms_norm, release());
   m.def("silu_and_mul", &aioengine::silu_and_mul, release());
+  m.def("copy_blocks", &copy_blocks, pybind11::arg("kv_cache"), pybind11::arg("block_mapping"),
+        release());
   m.def("linear", &aioengine::linear, pybind11::arg("x"), pybind11::arg("weight"),
         pybind11::arg("bias") = pybind11::none(), release());
   m.def("quant_dequantize", &aioengine::quant_dequantize, pybind11::arg("data"),
