@@ -75,15 +75,19 @@ class Scheduler:
         sampling_metadata: builds the worker-side sampling settings of a request.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int,
-                 sampling_metadata: Callable[[Request], SamplingMetadata]) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        sampling_metadata: Callable[[Request], SamplingMetadata],
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self._sampling_metadata = sampling_metadata
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []   # sorted by Request.sort_key()
+        self.waiting: list[Request] = []  # sorted by Request.sort_key()
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []
         self.preempted_req_ids: list[str] = []
@@ -101,7 +105,8 @@ class Scheduler:
         """
         if len(self.waiting) >= self.config.max_waiting_requests:
             raise SchedulerQueueFull(
-                f"waiting queue is full ({self.config.max_waiting_requests} requests)")
+                f"waiting queue is full ({self.config.max_waiting_requests} requests)"
+            )
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
 
@@ -185,12 +190,15 @@ class Scheduler:
         index = 0  # of the next waiting request to consider
         while index < len(self.waiting) and step.token_budget > 0:
             request = self.waiting[index]
-            if (request.structured_output_request is not None
-                    and not request.structured_output_request.is_ready()):
+            if (
+                request.structured_output_request is not None
+                and not request.structured_output_request.is_ready()
+            ):
                 index += 1
                 continue
             if blocked_by_preemption and request.priority >= min(
-                    (r.priority for r in self.running), default=request.priority):
+                (r.priority for r in self.running), default=request.priority
+            ):
                 break
             if len(self.running) >= self.config.max_num_seqs:
                 if not self._preempt_for(request, step):
@@ -228,8 +236,9 @@ class Scheduler:
         request; with ``than``, only one of strictly lower priority than it. A
         request whose blocks other requests hit earlier in this step is never
         picked: they read the K/V it is about to write."""
-        candidates = [r for r in self.running
-                      if not self.kv_cache_manager.num_unwritten_shared_blocks(r)]
+        candidates = [
+            r for r in self.running if not self.kv_cache_manager.num_unwritten_shared_blocks(r)
+        ]
         if not candidates:
             return None
         victim = max(candidates, key=Request.sort_key)
@@ -267,19 +276,34 @@ class Scheduler:
         """The step's ``SchedulerOutput`` (new requests, then running, then
         resumed ones), and the bookkeeping of what the worker now knows."""
         self._step_id += 1
-        new_reqs = [NewRequestData(
-            req_id=r.request_id, token_ids=r.all_token_ids,
-            num_prompt_tokens=r.num_prompt_tokens,
-            sampling=self._sampling_metadata(r),
-            block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-            num_computed_tokens=r.num_computed_tokens) for r in step.scheduled_new]
-        cached_reqs = [CachedRequestData(
-            req_id=r.request_id, new_block_ids=step.new_block_ids[r.request_id],
-            num_computed_tokens=r.num_computed_tokens) for r in step.scheduled_running]
-        cached_reqs += [CachedRequestData(
-            req_id=r.request_id, new_block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-            num_computed_tokens=r.num_computed_tokens, resumed=True)
-            for r in step.scheduled_resumed]
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                token_ids=r.all_token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling=self._sampling_metadata(r),
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in step.scheduled_new
+        ]
+        cached_reqs = [
+            CachedRequestData(
+                req_id=r.request_id,
+                new_block_ids=step.new_block_ids[r.request_id],
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in step.scheduled_running
+        ]
+        cached_reqs += [
+            CachedRequestData(
+                req_id=r.request_id,
+                new_block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                resumed=True,
+            )
+            for r in step.scheduled_resumed
+        ]
         order = step.scheduled_new + step.scheduled_running + step.scheduled_resumed
         output = SchedulerOutput(
             step_id=self._step_id,
@@ -311,8 +335,9 @@ class Scheduler:
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting)
 
-    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput
-                           ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
+    def update_from_output(
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
         """Advance ``num_computed_tokens`` and append sampled tokens.
 
         Returns:
@@ -322,14 +347,16 @@ class Scheduler:
         """
         results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
         logprobs = runner_output.logprobs
-        for k, (request, num_new) in enumerate(zip(self._scheduled_order,
-                                                   output.num_scheduled_tokens)):
+        for k, (request, num_new) in enumerate(
+            zip(self._scheduled_order, output.num_scheduled_tokens)
+        ):
             if request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             before = request.num_computed_tokens
             request.num_computed_tokens += num_new
             self.stats.num_prompt_tokens += max(
-                0, min(request.num_computed_tokens, request.num_prompt_tokens) - before)
+                0, min(request.num_computed_tokens, request.num_prompt_tokens) - before
+            )
             token = runner_output.sampled_token_ids[k]
             if token < 0 or request.num_computed_tokens < request.num_tokens:
                 results.append((request, None, None))
@@ -349,8 +376,10 @@ class Scheduler:
             elif token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
-        if status is None and (request.num_output_tokens >= request.max_tokens
-                               or request.num_tokens >= self.max_model_len):
+        if status is None and (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.finish_requests([request.request_id], status)

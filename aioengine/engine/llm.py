@@ -1,8 +1,8 @@
 """The offline API, written the way vLLM users write it::
 
-    from aioengine import LLM, SamplingParams
-    llm = LLM(model="path/to/model.gguf")
-    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=256))
+from aioengine import LLM, SamplingParams
+llm = LLM(model="path/to/model.gguf")
+outputs = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=256))
 """
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ class LLM:
         self.engine = LLMEngine(self.config, self.tokenizer, self.executor)
         self._counter = 0
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         Args:
@@ -59,14 +62,16 @@ class LLM:
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
-        params_list = (list(params) if isinstance(params, Sequence)
-                       else [params] * len(prompt_list))
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompt_list)
         if len(params_list) != len(prompt_list):
             raise ValueError("need one SamplingParams per prompt")
         ids = []
         for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
-            token_ids = (self.engine.input_processor.tokenize(prompt) if isinstance(prompt, str)
-                         else [int(t) for t in prompt])
+            token_ids = (
+                self.engine.input_processor.tokenize(prompt)
+                if isinstance(prompt, str)
+                else [int(t) for t in prompt]
+            )
             request_id = str(self._counter)
             self._counter += 1
             self.add_request(request_id, token_ids, p, priority=priority[i] if priority else 0)
@@ -74,8 +79,14 @@ class LLM:
         final = self.run_until_finished(use_tqdm)
         return [final[i] for i in ids]
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         """Queue one request for the next ``run_until_finished``.
 
         Raises:
@@ -86,18 +97,22 @@ class LLM:
         """
         if params.structured_outputs is not None:
             self.engine.structured_output_manager.compile_sync(params.structured_outputs)
-        self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                cache_salt=cache_salt)
+        self.engine.add_request(
+            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
+        )
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True
-             ) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate."""
-        convs: list[list[dict[str, str]]] = (
-            [messages] if messages and isinstance(messages[0], dict)
-            else messages)  # type: ignore[assignment]
-        token_ids: list[str | list[int]] = [self.engine.input_processor.render_chat(c)
-                                            for c in convs]
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_ids: list[str | list[int]] = [
+            self.engine.input_processor.render_chat(c)  # type: ignore[arg-type]
+            for c in convs
+        ]
         return self.generate(token_ids, sampling_params, use_tqdm)
 
     def run_until_finished(self, use_tqdm: bool = False) -> dict[str, RequestOutput]:
@@ -105,8 +120,9 @@ class LLM:
         ``RequestOutput`` of each, by request id, with all its samples."""
         final: dict[str, RequestOutput] = {}
         samples: dict[str, dict[int, CompletionOutput]] = {}
-        bar = tqdm(total=len(self.engine.output_processor.parents), desc="generate",
-                   disable=not use_tqdm)
+        bar = tqdm(
+            total=len(self.engine.output_processor.parents), desc="generate", disable=not use_tqdm
+        )
         while self.engine.has_unfinished_requests():
             for out in self.engine.step().request_outputs:
                 by_index = samples.setdefault(out.request_id, {})

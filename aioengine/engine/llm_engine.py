@@ -54,16 +54,24 @@ class LLMEngine:
         structured_output_manager: grammar compile cache to use; a new one when None.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer: Any, executor: Executor,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        executor: Executor,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(
-            tokenizer, len(tokenizer), tokenizer.eos_token_id)
-        self.input_processor = InputProcessor(tokenizer, executor.max_model_len,
-                                              config.cache.block_size, executor.num_blocks)
-        self.core = EngineCore(config, executor, self.structured_output_manager,
-                               tokenizer.eos_token_id)
+            tokenizer, len(tokenizer), tokenizer.eos_token_id
+        )
+        self.input_processor = InputProcessor(
+            tokenizer, executor.max_model_len, config.cache.block_size, executor.num_blocks
+        )
+        self.core = EngineCore(
+            config, executor, self.structured_output_manager, tokenizer.eos_token_id
+        )
         self.output_processor = OutputProcessor(tokenizer)
 
     @property
@@ -79,9 +87,15 @@ class LLMEngine:
         return self.core.kv_cache_manager
 
     # -- requests ---------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request (``n`` children when ``params.n > 1``).
 
         Raises:
@@ -91,8 +105,9 @@ class LLMEngine:
         """
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.input_processor.process_inputs(request_id, prompt_token_ids, params,
-                                                      priority, cache_salt, arrival_time)
+        request = self.input_processor.process_inputs(
+            request_id, prompt_token_ids, params, priority, cache_salt, arrival_time
+        )
         parent = ParentRequest(request)
         self.core.add_requests(parent.child_requests)
         self.output_processor.add_request(parent)
@@ -135,8 +150,9 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         return self.core.schedule()
 
-    def process_output(self, scheduler_output: SchedulerOutput,
-                       runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+    def process_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
         """Apply an executed ``schedule()``; the ``RequestOutput``s of the step."""
         core_outputs = self.core.update_from_output(scheduler_output, runner_output)
         return self._process(core_outputs).request_outputs
@@ -144,10 +160,15 @@ class LLMEngine:
     def _process(self, core_outputs: EngineCoreOutputs) -> EngineStep:
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.request_ids_to_finish:
-            self.core.finish_requests(processed.request_ids_to_finish,
-                                      RequestStatus.FINISHED_STOPPED)
-        return EngineStep(processed.request_outputs, core_outputs.scheduled_new_request_ids,
-                          core_outputs.scheduled_time, core_outputs.executed)
+            self.core.finish_requests(
+                processed.request_ids_to_finish, RequestStatus.FINISHED_STOPPED
+            )
+        return EngineStep(
+            processed.request_outputs,
+            core_outputs.scheduled_new_request_ids,
+            core_outputs.scheduled_time,
+            core_outputs.executed,
+        )
 
     def stats(self, include_block_map: bool = False) -> EngineStats:
         stats = self.core.stats(include_block_map)
