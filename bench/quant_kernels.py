@@ -12,8 +12,13 @@ read (the format's bytes for the kernel, 4 bytes a value for fp32) and GFLOP/s
 kernels on the default model: the fused 30-layer stack (``cpu_ops.LlamaDecodeLayers``,
 Q4_1 projections, 128 tokens of context each) plus the Q8_0 LM head.
 
+``--q8`` also times Q4_0/Q4_1/Q8_0 with int8 activations (``AIOENGINE_Q8_ACTIVATIONS=1``:
+VNNI dot products at 1-2 rows of Q4_0/Q4_1 and 1-8 of Q8_0), interleaved with the fp32
+activations, and the decode step both ways.
+
 Usage: python bench/quant_kernels.py [--formats Q4_1,Q8_0] [--rows 1,8,32,64]
        [--decode] [--decode-batch 1,32] [--threads N] [--clock wall|cpu] [--min-time 0.3]
+       [--q8]
 
 Times are the best of three rounds, wall-clock by default. On a machine other work
 shares, an OpenMP region waits whenever one of its threads is descheduled, and a
@@ -112,7 +117,11 @@ def ceilings(min_time: float) -> dict:
             "read_gbs": buf.numel() * 4 / read / 1e9}
 
 
-def bench_linears(formats: list[QT], rows: list[int], min_time: float) -> list[dict]:
+Q8_FORMATS = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
+
+
+def bench_linears(formats: list[QT], rows: list[int], min_time: float,
+                  q8: bool = False) -> list[dict]:
     results = []
     for name, n, k in SHAPES:
         dense = torch.randn(n, k) * 0.02
@@ -129,11 +138,23 @@ def bench_linears(formats: list[QT], rows: list[int], min_time: float) -> list[d
                 row[f"{fmt.name}_gbs"] = w.nbytes / s / 1e9
                 row[f"{fmt.name}_gflops"] = flops / s / 1e9
                 row[f"{fmt.name}_speedup"] = fp32_s / s
+                if q8 and fmt in Q8_FORMATS:
+                    cpu_ops.set_q8_activations(True)
+                    try:
+                        s8 = time_call(lambda x=x, w=w: quant.linear(x, w), min_time)
+                    finally:
+                        cpu_ops.set_q8_activations(False)
+                    row[f"{fmt.name}_q8_us"] = s8 * 1e6
+                    row[f"{fmt.name}_q8_speedup_vs_fp32_act"] = s / s8
             results.append(row)
             cells = "  ".join(f"{fmt.name} {row[f'{fmt.name}_us']:8.1f} us "
                               f"{row[f'{fmt.name}_gbs']:5.1f} GB/s "
                               f"{row[f'{fmt.name}_gflops']:6.1f} GF/s "
-                              f"x{row[f'{fmt.name}_speedup']:4.2f}" for fmt in formats)
+                              f"x{row[f'{fmt.name}_speedup']:4.2f}"
+                              + (f" q8 {row[f'{fmt.name}_q8_us']:8.1f} us "
+                                 f"x{row[f'{fmt.name}_q8_speedup_vs_fp32_act']:4.2f}"
+                                 if f"{fmt.name}_q8_us" in row else "")
+                              for fmt in formats)
             print(f"{name:>11} {n:6d}x{k:<5d} M={m:<3d} fp32 {row['fp32_us']:8.1f} us "
                   f"{row['fp32_gbs']:5.1f} GB/s {row['fp32_gflops']:6.1f} GF/s | {cells}",
                   flush=True)
@@ -198,6 +219,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this thread's CPU time (needs --threads 1), steady on a "
                              "shared machine")
+    parser.add_argument("--q8", action="store_true",
+                        help="also time int8 activations (Q4_0/Q4_1/Q8_0) and the decode "
+                             "step with them")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -222,10 +246,17 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     report = {"cpu": model, "flags": flags, "threads": threads, "clock": args.clock,
               "loadavg": os.getloadavg()[0], "ceilings": ceiling,
-              "linears": bench_linears(formats, rows, args.min_time)}
+              "linears": bench_linears(formats, rows, args.min_time, args.q8)}
     if args.decode:
-        report["decode"] = bench_decode([int(b) for b in args.decode_batch.split(",")],
-                                        args.min_time)
+        batches = [int(b) for b in args.decode_batch.split(",")]
+        cpu_ops.set_q8_activations(False)
+        report["decode"] = bench_decode(batches, args.min_time)
+        if args.q8 and cpu_ops.set_q8_activations(True):
+            print("with int8 activations:")
+            try:
+                report["decode_q8"] = bench_decode(batches, args.min_time)
+            finally:
+                cpu_ops.set_q8_activations(False)
     path = Path(args.out) if args.out else RESULTS_DIR / "quant_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))

@@ -242,6 +242,13 @@ def write_gguf(model, family: Family, path: Path, tokenizer_meta: dict) -> Path:
     if params.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(params["factor"])
+    if params.get("rope_type") == "longrope":  # Phi3MiniModel's keys and tensors
+        w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        factor = cfg.max_position_embeddings / params["original_max_position_embeddings"]
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(factor) / math.log(params["original_max_position_embeddings"])))
+        w.add_tensor("rope_factors_long.weight", np.array(params["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(params["short_factor"], np.float32))
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])

@@ -172,6 +172,39 @@ def test_decode_layers_equal_the_python_forward(arch, block_size, seq_lens):
     assert not torch.equal(cache_fused, kv_cache), "nothing was written"
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama_gqa3", "qwen2_bias_gqa8"])
+@pytest.mark.parametrize("seq_lens", [[37], [5, 1, 70, 16, 33]])
+def test_decode_layers_over_a_half_kv_cache_equal_the_python_forward(cache_dtype, arch,
+                                                                     seq_lens):
+    """--kv-cache-dtype float16/bfloat16 under fp32 activations: the fused step writes K/V
+    rounded to the cache's dtype and attends over it as the Python path (index_copy_ into
+    the cache, gather, upcast, SDPA) does; and both differ from an fp32 cache's result
+    only by that rounding."""
+    model = our_model(hf_config(**ARCHS[arch]))
+    num_blocks = sum(-(-n // 16) for n in seq_lens) + 2
+    input_ids, positions, kv_cache, attn = decode_step(model, seq_lens, 16, num_blocks, seed=3)
+    half = kv_cache.to(cache_dtype)
+    calls = count_fused_steps(model.decode_layers)
+    cache_fused = half.clone()
+    hidden = model.forward(input_ids, positions, cache_fused, attn)
+    assert calls == [True], "the decode step did not take the fused path"
+    assert cache_fused.dtype == cache_dtype
+    model.decode_layers = None  # the Python layer loop: the reference
+    cache_python = half.clone()
+    expected = model.forward(input_ids, positions, cache_python, attn)
+    torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)
+    # K/V equal up to one rounding step of the cache dtype (their fp32 values agree to 1e-4)
+    step = 2 ** -10 if cache_dtype == torch.float16 else 2 ** -7
+    torch.testing.assert_close(cache_fused.float(), cache_python.float(), atol=1e-4, rtol=step)
+    assert not torch.equal(cache_fused, half), "nothing was written"
+    # The same step over the fp32 cache: close (the rounding of K/V), not equal.
+    full = model.forward(input_ids, positions, kv_cache.clone(), attn)
+    assert not torch.equal(full, hidden)
+    tol = 2e-2 if cache_dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(hidden, full, atol=tol * full.abs().max().item(), rtol=0)
+
+
 def test_prefill_and_mixed_steps_keep_the_python_forward():
     from aioengine.models.llama import AttentionMetadata
 

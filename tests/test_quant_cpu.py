@@ -38,6 +38,17 @@ needs_kernels = pytest.mark.skipif(cpu_ops.load() is None,
                                    reason="the C++ CPU kernels did not build here")
 
 
+@pytest.fixture(autouse=True)
+def fp32_activations():
+    """These tests check the kernels with fp32 activations, exact up to summation order;
+    the int8 activations have their own tests (test_q8_activations.py)."""
+    ops = cpu_ops.load()
+    before = ops is not None and ops.q8_activations()
+    cpu_ops.set_q8_activations(False)
+    yield
+    cpu_ops.set_q8_activations(before)
+
+
 def random_weight(qtype: QT, rows: int, cols: int, seed: int, scale: float = 1.0) -> np.ndarray:
     """GGUF bytes ``[rows, row_bytes]`` of random blocks with finite fp16 scales (values
     for F16/BF16)."""

@@ -173,3 +173,14 @@ def dequantize(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
         raise ValueError(f"dequantize: no dequantizer for {qtype.name}")
     blocks = data.reshape(-1, type_size)
     return fn(blocks).reshape(*lead, cols)
+
+
+def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., K]`` (K a multiple of 32) rounded as the int8-activation kernels see it
+    (``cpu_ops.set_q8_activations``; llama.cpp's ``quantize_row_q8_0``): per 32-value
+    block ``d = max|x| / 127``, ``q = round(x / d)`` (half to even), returned as ``q * d``
+    in fp32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)

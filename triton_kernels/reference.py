@@ -114,8 +114,10 @@ def _write_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
         return
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_slots = num_blocks * block_size
-    key_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slots, key)
-    value_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slots, value)
+    # A narrower cache (--kv-cache-dtype) stores K/V rounded to its dtype.
+    key_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(
+        0, slots, value.to(value_cache.dtype))
 
 
 def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, max_seqlen_k: int,
@@ -285,6 +287,7 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     block_ids = plan.block_table.view(-1)
     k = _gather_kv(key_cache, block_ids, num_seqs, plan.max_seqlen_k, 0).transpose(1, 2)
     v = _gather_kv(value_cache, block_ids, num_seqs, plan.max_seqlen_k, 1).transpose(1, 2)
+    k, v = k.to(query.dtype), v.to(query.dtype)  # no copy unless the cache is narrower
     # The query heads of one KV group become rows of one head: [S, kv_heads, group, D]
     # against [S, kv_heads, L, D] needs no GQA expansion and the key-padding mask
     # broadcasts over the rows.
@@ -300,6 +303,7 @@ def _prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     k = _gather_kv(key_cache, plan.block_ids, plan.num_seqs, plan.max_seqlen_k, 0).transpose(1, 2)
     v = _gather_kv(value_cache, plan.block_ids, plan.num_seqs, plan.max_seqlen_k,
                    1).transpose(1, 2)
+    k, v = k.to(query.dtype), v.to(query.dtype)  # no copy unless the cache is narrower
     if plan.mask is None:
         out = _sdpa(query.unsqueeze(0).transpose(1, 2), k, v, None, scale, is_causal=True)
         return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
@@ -421,12 +425,21 @@ def plan_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  written_tokens=written)
 
 
+def cache_dtype_ok(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether a KV cache of ``cache_dtype`` serves activations of ``dtype`` on the CPU
+    path: the same dtype, or an fp16/bf16 cache under fp32 activations."""
+    return cache_dtype == dtype or (dtype == torch.float32
+                                    and cache_dtype in (torch.float16, torch.bfloat16))
+
+
 def _check_plan(plan: AttentionPlan, query_or_key: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor) -> None:
-    """The cheap per-layer checks left once a plan exists: shapes against the plan."""
+    """The cheap per-layer checks left once a plan exists: shapes against the plan. The
+    cache has the query's dtype, or is fp16/bf16 under fp32 (``--kv-cache-dtype``)."""
     if (query_or_key.shape[0] != plan.num_tokens
             or tuple(key_cache.shape[:2]) != (plan.num_blocks, plan.block_size)
-            or value_cache.shape != key_cache.shape or query_or_key.dtype != key_cache.dtype
+            or value_cache.shape != key_cache.shape
+            or not cache_dtype_ok(query_or_key.dtype, key_cache.dtype)
             or value_cache.dtype != key_cache.dtype):
         raise ValueError(
             f"tensors do not match the plan: {query_or_key.shape[0]} tokens of "

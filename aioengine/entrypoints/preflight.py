@@ -45,7 +45,7 @@ _GGUF_MAGIC = b"GGUF"
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
             11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}  # auto: at most fp32
 
 
 class StartupError(Exception):

@@ -2,8 +2,8 @@
 
 Torch-free and free of model code: the engine process imports this module to
 refuse a ``tensor_parallel_size`` the model cannot be split over before any
-worker starts (the forward passes live in the worker, ``aioengine.models.llama``
-and the families beside it).
+worker starts (the forward passes live in the worker: ``aioengine.models.decoder``
+and the family modules that ``registry`` names).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aioengine.config import EngineConfig
+from aioengine.models import registry
 
 __all__ = ["ModelShapes", "check_parallel_config", "check_tensor_parallel_size"]
 
@@ -23,7 +24,14 @@ class ModelShapes:
     ``aioengine.models.decoder.ModelArch`` reads the whole architecture (RoPE
     tables, per-family twists) and needs torch.
 
+    Every family of ``registry`` splits the same way under tensor parallelism (heads,
+    MLP rows, vocabulary): Qwen3's and Gemma 3's per-head Q/K norms and Gemma's extra
+    norms are replicated, Phi-3's fused ``qkv_proj``/``gate_up_proj`` are split into
+    their parts before sharding, and ``head_dim`` may differ from ``hidden_size //
+    num_heads`` (Qwen3, Gemma), so the checks below are on head counts only.
+
     Attributes:
+        family: ``registry.ModelFamily.name`` (``"gemma3"``).
         num_heads: query heads (``num_attention_heads``).
         num_kv_heads: key/value heads (``num_key_value_heads``; = ``num_heads``
             without grouped-query attention).
@@ -31,6 +39,7 @@ class ModelShapes:
     """
 
     model_type: str
+    family: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,9 +55,12 @@ class ModelShapes:
         """Read the shapes from a ``PretrainedConfig`` or anything with its fields.
 
         Raises:
+            registry.UnsupportedModelError: (a ValueError) no model family implements
+                the config's architecture; the message names every supported one.
             ValueError: ``num_attention_heads`` is not a multiple of
                 ``num_key_value_heads``.
         """
+        family = registry.family_of_config(config)
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
@@ -58,6 +70,7 @@ class ModelShapes:
             )
         return cls(
             model_type=getattr(config, "model_type", ""),
+            family=family.name,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,

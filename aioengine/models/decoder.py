@@ -1,4 +1,4 @@
-"""The decoder every family shares: its shape (``ModelArch``), one block
+"""The decoder every family shares: its shape (``DecoderArch``), one block
 (``DecoderLayer``) and the model over the paged KV cache (``CausalLM``).
 
 A family module (``llama.py``, ``qwen3.py``, ``gemma.py``, ``phi3.py``) subclasses
@@ -43,7 +43,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
-class ModelArch:
+class DecoderArch:
     """The shape of a decoder-only model and its family's twists, from an HF config.
 
     Attributes (beyond the usual shape fields):
@@ -88,7 +88,7 @@ class ModelArch:
     config: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> ModelArch:
+    def from_hf_config(cls, config: Any) -> DecoderArch:
         """Raises: ``registry.UnsupportedModelError`` (a ValueError) for an architecture
         no family implements; ValueError for head counts that do not divide, or an MLP
         activation no layer module implements."""
@@ -199,7 +199,7 @@ class CausalLM:
     around the embedding, and ``compute_logits`` gathers on rank 0.
 
     Args:
-        arch: model shape (``ModelArch.from_hf_config``).
+        arch: model shape (``DecoderArch.from_hf_config``).
         weights: ``{hf_name: tensor or QuantizedWeight}`` as produced by
             ``loader.load_weights`` (consumed). A GGUF file's ``rope_freqs`` (llama3
             RoPE) divides the rotary frequencies, as in llama.cpp.
@@ -212,7 +212,7 @@ class CausalLM:
             not implement.
     """
 
-    def __init__(self, arch: ModelArch, weights: dict[str, Any], dtype: torch.dtype,
+    def __init__(self, arch: DecoderArch, weights: dict[str, Any], dtype: torch.dtype,
                  max_model_len: int) -> None:
         self.prepare_weights(weights, arch)
         self.tp_size = tp.get_tp_size()
@@ -271,7 +271,7 @@ class CausalLM:
 
     # -- loading -----------------------------------------------------------------------------
 
-    def prepare_weights(self, weights: dict[str, Any], arch: ModelArch) -> None:
+    def prepare_weights(self, weights: dict[str, Any], arch: DecoderArch) -> None:
         """Bring a family's checkpoint to the shared HF names (in place), before any
         tensor-parallel split; nothing to do for Llama-named checkpoints."""
 

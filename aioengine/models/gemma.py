@@ -2,7 +2,7 @@
 2025, "Gemma 3", §2) and HF transformers' ``modeling_gemma2/3``.
 
 Their block differs from Llama's in every part, each a layer module or an
-``ModelArch`` field the shared decoder reads:
+``DecoderArch`` field the shared decoder reads:
 
 - RMSNorm with ``(1 + weight)`` (the offset added at load), embeddings scaled by
   ``sqrt(hidden_size)`` (in the compute dtype, as HF rounds it);

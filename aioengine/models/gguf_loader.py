@@ -35,6 +35,9 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",  # llama3 RoPE: per-frequency divisors, not a parameter
+    # Phi-3's LongRoPE factors: read into the config (``_longrope_scaling``), not parameters.
+    "rope_factors_long.weight": "rope_factors_long",
+    "rope_factors_short.weight": "rope_factors_short",
 }
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -143,8 +146,7 @@ def _family_config(f: GGUFFile, config: dict[str, Any]) -> None:
         if rope_dim != config["head_dim"]:
             config["partial_rotary_factor"] = rope_dim / config["head_dim"]
         if "rope_factors_long.weight" in f.tensors:
-            raise ValueError(f"{f.path}: LongRoPE factors in a GGUF file (rope_factors_long) "
-                             f"are not supported yet; use the HF checkpoint")
+            config["rope_scaling"] = _longrope_scaling(f, config)
 
 
 def _int_key(f: GGUFFile, suffix: str, default: int | None = None) -> int:
@@ -236,6 +238,34 @@ def _rope_scaling(f: GGUFFile) -> dict[str, Any] | None:
         return scaling
     raise ValueError(f"{f.path}: RoPE scaling type {kind!r} is not supported "
                      f"(supported: none, linear, yarn, and llama3's rope_freqs tensor)")
+
+
+def _f32_vector(f: GGUFFile, name: str) -> list[float]:
+    """A small F32 tensor's values, read from the file without torch."""
+    import struct
+
+    info = f.tensors[name]
+    if info.type_name != "F32" or len(info.shape) != 1:
+        raise ValueError(f"{f.path}: tensor {name!r} is {info.type_name} {list(info.shape)}; "
+                         f"expected an F32 vector")
+    return list(struct.unpack_from(f"<{info.shape[0]}f", f.mapping(), info.offset))
+
+
+def _longrope_scaling(f: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE as HF ``rope_scaling`` from what ``convert_hf_to_gguf.py``
+    (``Phi3MiniModel``) writes: the ``rope_factors_long``/``rope_factors_short`` tensors,
+    ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``."""
+    original = _int_key(f, "rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope", "original_max_position_embeddings": original,
+        "long_factor": _f32_vector(f, "rope_factors_long.weight"),
+        "short_factor": _f32_vector(f, "rope_factors_short.weight"),
+    }
+    attn_factor = f.arch_key("rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = float(attn_factor)
+    config["original_max_position_embeddings"] = original
+    return scaling
 
 
 def check_gguf_model(f: GGUFFile) -> dict[str, Any]:

@@ -10,14 +10,14 @@ registry.
 
 from __future__ import annotations
 
-from aioengine.models.decoder import CausalLM, ModelArch, weight_format, weight_nbytes
+from aioengine.models.decoder import CausalLM, DecoderArch, weight_format, weight_nbytes
 from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.layers.norm import rms_norm
 from aioengine.models.layers.rotary import RotaryEmbedding
 from aioengine.models.registry import SUPPORTED_MODEL_TYPES
 
-#: The shape of any supported model (``decoder.ModelArch``); the old name.
-LlamaArch = ModelArch
+#: The shape of any supported model (``decoder.DecoderArch``); the old name.
+LlamaArch = DecoderArch
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

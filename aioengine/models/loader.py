@@ -114,7 +114,8 @@ def inspect_model(model_path: str, quantization: str = "none", dtype: str = "flo
             tensor type, or ``quantization`` given for a GGUF file (already quantized);
             the message names the file and the problem.
     """
-    dense = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]
+    # "auto" is resolved in the worker (fp32 for quantized weights on a CPU; it logs it)
+    dense = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "auto": "F32"}[dtype]
     if is_gguf(model_path):
         from aioengine.models.gguf_loader import check_gguf_model
 

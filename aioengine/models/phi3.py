@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from aioengine.models.decoder import CausalLM, ModelArch
+from aioengine.models.decoder import CausalLM, DecoderArch
 from triton_kernels.quant import QuantizedWeight
 
 
@@ -30,9 +30,12 @@ def split_rows(w: torch.Tensor | QuantizedWeight, sizes: list[int]
 class Phi3ForCausalLM(CausalLM):
     """Phi-3 family (``model_type`` ``phi3``, GGUF ``phi3``)."""
 
-    def prepare_weights(self, weights: dict[str, Any], arch: ModelArch) -> None:
+    def prepare_weights(self, weights: dict[str, Any], arch: DecoderArch) -> None:
         """Split the fused projections into Llama's names, so that tensor parallelism
         shards them like every other family's and the model re-fuses them."""
+        # A GGUF file's LongRoPE factors are in the config already (gguf_loader).
+        weights.pop("rope_factors_long", None)
+        weights.pop("rope_factors_short", None)
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."

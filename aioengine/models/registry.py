@@ -3,7 +3,7 @@
 
 Imports no torch (the engine process checks a model before it starts a worker); the
 model class is imported only by ``model_class``. Each family names the twists of the
-Llama block it needs (read by ``decoder.ModelArch``); the twists' code lives in the
+Llama block it needs (read by ``decoder.DecoderArch``); the twists' code lives in the
 layer modules (``layers/``) and the family's module.
 """
 

@@ -20,7 +20,7 @@ from aioengine.config import EngineConfig
 from aioengine.distributed import parallel_state as tp
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, SchedulerOutput
 from aioengine.models import registry
-from aioengine.models.decoder import ModelArch
+from aioengine.models.decoder import DecoderArch
 from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.loader import load_hf_config, load_weights
 from aioengine.worker.sampler import SamplingBatch, sample
@@ -29,6 +29,75 @@ from triton_kernels import cpu_ops
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: CPU flags (``/proc/cpuinfo``) of units that compute bf16 natively.
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``'s ``flags``/``Features``; empty when
+    unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")) and ":" in line:
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def choose_dtype(requested: str, device_type: str, flags: frozenset[str], quantized: bool,
+                 cuda_bf16: bool = False) -> tuple[torch.dtype, str]:
+    """The activation dtype for ``--dtype requested`` and why (for the log).
+
+    ``auto`` (vLLM's default spelling) picks what the hardware computes fastest: on
+    CUDA bf16 where supported, else fp16; on a CPU fp32 for quantized weights (the C++
+    quantized kernels take fp32 activations), bf16 for dense weights where AMX-BF16 or
+    AVX512-BF16 exists (oneDNN's bf16 GEMM), fp32 otherwise (an AVX2-only CPU runs bf16
+    matmuls 2.3x slower than fp32, issue 16). An explicit ``bfloat16`` on a CPU without
+    bf16 units is honoured; the reason then says it will be slow (the caller warns).
+
+    Args:
+        requested: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
+        device_type: ``cpu`` or ``cuda``.
+        flags: the CPU's flags (``cpu_flags()``).
+        quantized: the model's linear weights are GGML-quantized.
+        cuda_bf16: the CUDA device computes bf16.
+    """
+    has_bf16 = any(f in flags for f in BF16_CPU_FLAGS)
+    if requested != "auto":
+        slow = requested == "bfloat16" and device_type == "cpu" and not has_bf16
+        return DTYPES[requested], ("slow: this CPU has no bf16 units (amx_bf16/avx512_bf16); "
+                                   "float32 is faster here" if slow else "requested")
+    if device_type == "cuda":
+        return ((torch.bfloat16, "auto: CUDA with bf16") if cuda_bf16
+                else (torch.float16, "auto: CUDA without bf16"))
+    if quantized:
+        return torch.float32, "auto: quantized weights (the CPU kernels take fp32 activations)"
+    if has_bf16:
+        return torch.bfloat16, "auto: dense weights on a CPU with bf16 units"
+    return torch.float32, "auto: CPU without bf16 units"
+
+
+def choose_kv_cache_dtype(requested: str, dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The KV cache's element type for ``--kv-cache-dtype requested`` under activations
+    of ``dtype``. ``auto`` is ``dtype`` (vLLM's meaning; fp32 logprobs then equal HF's to
+    1e-4). ``float16``/``bfloat16`` under fp32 activations on a CPU halve the cache
+    (``float16`` is llama.cpp's default f16 cache): the C++ decode kernels read it with
+    F16C/AVX-512 conversions in registers, K/V are rounded to it when written.
+
+    Raises:
+        ValueError: a cache dtype other than ``dtype`` where it is not supported (only
+            fp16/bf16 caches under fp32 activations on a CPU are).
+    """
+    if requested == "auto":
+        return dtype
+    cache = DTYPES[requested]
+    if cache != dtype and not (device_type == "cpu" and dtype == torch.float32
+                               and cache in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"--kv-cache-dtype {requested} needs --dtype float32 on a CPU "
+                         f"(or --kv-cache-dtype auto); got activations of {dtype}")
+    return cache
 
 
 @dataclass
@@ -99,10 +168,15 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
-        self.dtype = DTYPES[config.model.dtype]
         path = config.model.model_path
+        quantized = path.endswith(".gguf") or config.model.quantization != "none"
+        self.dtype, why = choose_dtype(config.model.dtype, "cpu", cpu_flags(), quantized)
+        (logger.warning if why.startswith("slow") else logger.info)(
+            "dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
+        self.kv_cache_dtype = choose_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype,
+                                                    "cpu")
         hf_config = load_hf_config(path)
-        self.arch = ModelArch.from_hf_config(hf_config)
+        self.arch = DecoderArch.from_hf_config(hf_config)
         model_class = registry.model_class(registry.family_of_config(hf_config))
         self.max_model_len = resolve_max_model_len(config, hf_config)
         weights = load_weights(path, hf_config, self.dtype, config.model.quantization)
@@ -122,7 +196,7 @@ class ModelRunner:
             self.num_blocks = tp.all_reduce_min(self.num_blocks)
         a = self.model.arch
         self.kv_cache = lazy_zeros((a.num_layers, 2, self.num_blocks, self.block_size,
-                                    a.num_kv_heads, a.head_dim), self.dtype)
+                                    a.num_kv_heads, a.head_dim), self.kv_cache_dtype)
         self.max_blocks_per_seq = -(-(self.max_model_len + 1) // self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows: list[int] = []
@@ -131,8 +205,9 @@ class ModelRunner:
         self.block_table = np.zeros((0, self.max_blocks_per_seq), dtype=np.int32)
         self._grow(max(8, config.scheduler.max_num_seqs))
         self.load_time = time.perf_counter() - t0
-        logger.info("model ready: %d blocks of %d tokens, %.1f s", self.num_blocks,
-                    self.block_size, self.load_time)
+        logger.info("model ready: %d blocks of %d tokens (KV cache %s), %.1f s", self.num_blocks,
+                    self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
+                    self.load_time)
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -140,7 +215,7 @@ class ModelRunner:
             return cache.num_gpu_blocks_override
         a = self.model.arch  # this rank's KV heads
         bytes_per_block = (a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim
-                           * torch.finfo(self.dtype).bits // 8)
+                           * torch.finfo(self.kv_cache_dtype).bits // 8)
         num_blocks = cache.kv_cache_memory_bytes // bytes_per_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} holds "

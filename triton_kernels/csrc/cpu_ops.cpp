@@ -104,17 +104,62 @@ inline void axpy<float>(float* y, float alpha, const float* x, int64_t n) {
     _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
+
+// 16 fp16 or bf16 values (a KV cache of --kv-cache-dtype float16/bfloat16) as fp32.
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+template <typename T>
+inline float dot_half(const float* a, const T* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
+  float s = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  return s;
+}
+
+template <typename T>
+inline void axpy_half(float* y, float alpha, const T* x, int64_t n) {
+  const __m512 va = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, load16(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * static_cast<float>(x[i]);
+}
+
+template <>
+inline float dot<c10::Half>(const float* a, const c10::Half* b, int64_t n) { return dot_half(a, b, n); }
+template <>
+inline float dot<c10::BFloat16>(const float* a, const c10::BFloat16* b, int64_t n) {
+  return dot_half(a, b, n);
+}
+template <>
+inline void axpy<c10::Half>(float* y, float alpha, const c10::Half* x, int64_t n) {
+  axpy_half(y, alpha, x, n);
+}
+template <>
+inline void axpy<c10::BFloat16>(float* y, float alpha, const c10::BFloat16* x, int64_t n) {
+  axpy_half(y, alpha, x, n);
+}
 #endif
 
 // One layer's decode attention, on raw pointers so both the tensor entry point and
-// the fused decoder below can call it. Strides are in elements; head_dim's is 1.
-template <typename scalar_t>
+// the fused decoder below can call it. Strides are in elements; head_dim's is 1. The
+// cache's element type may be narrower than the query's (an fp16/bf16 KV cache under
+// fp32 activations, --kv-cache-dtype); scores and sums are fp32 either way.
+template <typename scalar_t, typename cache_t = scalar_t>
 struct DecodeAttention {
   const scalar_t* q;
   int64_t qs, qh;  // query [num_seqs, num_heads, head_dim]
-  const scalar_t* k;
+  const cache_t* k;
   int64_t kb, kt, kh;  // key cache [num_blocks, block_size, num_kv_heads, head_dim]
-  const scalar_t* v;
+  const cache_t* v;
   int64_t vb, vt, vh;
   scalar_t* out;
   int64_t os, oh;  // out [num_seqs, num_heads, head_dim]
@@ -125,8 +170,8 @@ struct DecodeAttention {
   float scale;
 };
 
-template <typename scalar_t>
-void decode_attention_run(const DecodeAttention<scalar_t>& a) {
+template <typename scalar_t, typename cache_t>
+void decode_attention_run(const DecodeAttention<scalar_t, cache_t>& a) {
   const int64_t group = a.num_heads / a.num_kv_heads, head_dim = a.head_dim;
   at::parallel_for(0, a.num_seqs * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
@@ -141,10 +186,10 @@ void decode_attention_run(const DecodeAttention<scalar_t>& a) {
       }
       // Pass 1: scores of every query head of the group against each key, read once.
       for (int64_t start = 0; start < len; start += a.block_size) {
-        const scalar_t* kblock = a.k + blocks[start / a.block_size] * a.kb + h * a.kh;
+        const cache_t* kblock = a.k + blocks[start / a.block_size] * a.kb + h * a.kh;
         const int64_t stop = std::min(len, start + a.block_size);
         for (int64_t t = start; t < stop; ++t) {
-          const scalar_t* k = kblock + (t - start) * a.kt;
+          const cache_t* k = kblock + (t - start) * a.kt;
           for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(&q[g * head_dim], k, head_dim);
         }
       }
@@ -162,10 +207,10 @@ void decode_attention_run(const DecodeAttention<scalar_t>& a) {
       // Pass 2: the weighted sum of values, each value row read once.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += a.block_size) {
-        const scalar_t* vblock = a.v + blocks[start / a.block_size] * a.vb + h * a.vh;
+        const cache_t* vblock = a.v + blocks[start / a.block_size] * a.vb + h * a.vh;
         const int64_t stop = std::min(len, start + a.block_size);
         for (int64_t t = start; t < stop; ++t) {
-          const scalar_t* v = vblock + (t - start) * a.vt;
+          const cache_t* v = vblock + (t - start) * a.vt;
           for (int64_t g = 0; g < group; ++g) axpy(&acc[g * head_dim], scores[g * len + t], v, head_dim);
         }
       }
@@ -177,20 +222,20 @@ void decode_attention_run(const DecodeAttention<scalar_t>& a) {
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t = scalar_t>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            double scale) {
-  DecodeAttention<scalar_t> a;
+  DecodeAttention<scalar_t, cache_t> a;
   a.q = query.data_ptr<scalar_t>();
   a.qs = query.stride(0);
   a.qh = query.stride(1);
-  a.k = key_cache.data_ptr<scalar_t>();
+  a.k = key_cache.data_ptr<cache_t>();
   a.kb = key_cache.stride(0);
   a.kt = key_cache.stride(1);
   a.kh = key_cache.stride(2);
-  a.v = value_cache.data_ptr<scalar_t>();
+  a.v = value_cache.data_ptr<cache_t>();
   a.vb = value_cache.stride(0);
   a.vt = value_cache.stride(1);
   a.vh = value_cache.stride(2);
@@ -402,9 +447,23 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
                   block_tables.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
               "paged_attention_decode: block_tables/seq_lens must be contiguous int32, one row "
               "per sequence");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(), "paged_attention_decode: dtypes");
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == cache_type && out.scalar_type() == query.scalar_type() &&
+                  (query.scalar_type() == cache_type ||
+                   (query.scalar_type() == at::kFloat &&
+                    (cache_type == at::kHalf || cache_type == at::kBFloat16))),
+              "paged_attention_decode: the caches must have the query's dtype, or be fp16/bf16 "
+              "under an fp32 query");
+  if (query.scalar_type() == at::kFloat && cache_type == at::kHalf) {
+    decode_attention_impl<float, c10::Half>(out, query, key_cache, value_cache, block_tables,
+                                            seq_lens, scale);
+    return;
+  }
+  if (query.scalar_type() == at::kFloat && cache_type == at::kBFloat16) {
+    decode_attention_impl<float, c10::BFloat16>(out, query, key_cache, value_cache, block_tables,
+                                                seq_lens, scale);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attn", [&] {
     decode_attention_impl<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
   });
@@ -526,14 +585,33 @@ class LlamaDecodeLayers {
                 "forward: cos/sin [M, head_dim] fp32");
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers_ && kv_cache.size(1) == 2 &&
                     kv_cache.size(4) == num_kv_heads_ && kv_cache.size(5) == head_dim_ &&
-                    kv_cache.stride(5) == 1 && kv_cache.scalar_type() == at::kFloat,
+                    kv_cache.stride(5) == 1 &&
+                    (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf ||
+                     kv_cache.scalar_type() == at::kBFloat16),
                 "forward: kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, "
-                "head_dim] fp32");
+                "head_dim] fp32, fp16 or bf16");
     TORCH_CHECK(slots.numel() == M && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                     block_tables.dim() == 2 && block_tables.size(0) == M &&
                     block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                     seq_lens.numel() == M && seq_lens.scalar_type() == at::kInt &&
                     seq_lens.is_contiguous(), "forward: slots/block_tables/seq_lens");
+    switch (kv_cache.scalar_type()) {
+      case at::kHalf:
+        return run<c10::Half>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens, scale);
+      case at::kBFloat16:
+        return run<c10::BFloat16>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens,
+                                  scale);
+      default:
+        return run<float>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens, scale);
+    }
+  }
+
+ private:
+  // forward() for a cache of element type cache_t (K/V are rounded to it when written).
+  template <typename cache_t>
+  at::Tensor run(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+                 at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+    const int64_t M = residual.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_n = q_size + 2 * kv_size;
     const auto opts = residual.options();
@@ -545,7 +623,7 @@ class LlamaDecodeLayers {
     at::Tensor act = at::empty({M, intermediate_}, opts);
     const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
     const int64_t* slot = slots.data_ptr<int64_t>();
-    float* cache = kv_cache.data_ptr<float>();
+    cache_t* cache = kv_cache.data_ptr<cache_t>();
     // The caller's plan has checked these; checked again here because a write or read
     // outside the cache would corrupt memory (a few integer compares a step).
     const int32_t* bt = block_tables.data_ptr<int32_t>();
@@ -561,7 +639,7 @@ class LlamaDecodeLayers {
                     "forward: block id ", bt[t * max_blocks + b], " outside [0, ", num_blocks, ")");
     }
 
-    DecodeAttention<float> a;
+    DecodeAttention<float, cache_t> a;
     a.q = qkv.data_ptr<float>();
     a.qs = qkv_n;
     a.qh = head_dim_;
@@ -589,8 +667,8 @@ class LlamaDecodeLayers {
       float* qkv_ptr = qkv.data_ptr<float>();
       rope_rotate_half(qkv_ptr, M, qkv_n, num_heads_ + num_kv_heads_, head_dim_,
                        cos.data_ptr<float>(), sin.data_ptr<float>(), head_dim_);
-      float* key_cache = cache + i * kv_cache.stride(0);
-      float* value_cache = key_cache + kv_cache.stride(1);
+      cache_t* key_cache = cache + i * kv_cache.stride(0);
+      cache_t* value_cache = key_cache + kv_cache.stride(1);
       for (int64_t t = 0; t < M; ++t) {  // reshape_and_cache
         const int64_t off = (slot[t] / block_size) * a.kb + (slot[t] % block_size) * a.kt;
         for (int64_t h = 0; h < num_kv_heads_; ++h) {
@@ -612,7 +690,6 @@ class LlamaDecodeLayers {
     return x;
   }
 
- private:
   // y[M, N] = x[M, K] @ w^T (+ bias), y and x contiguous.
   void project(at::Tensor& y, const at::Tensor& x, const aioengine::QuantLinear& w,
                const at::Tensor& bias) const {
@@ -649,6 +726,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_embedding", &aioengine::quant_embedding, pybind11::arg("ids"),
         pybind11::arg("data"), pybind11::arg("qtype"), pybind11::arg("cols"),
         pybind11::arg("isa") = -1, release());
+  m.def("set_q8_activations", &aioengine::set_q8_activations, pybind11::arg("on"),
+        "int8 activations for the quantized GEMV (VNNI builds); False if the build has none.");
+  m.def("q8_activations", &aioengine::q8_activations);
   m.def("quant_isa", [] { return static_cast<int>(aioengine::resolve_isa(-1)); },
         "The instruction-set path the quantized kernels use: 0 scalar, 1 AVX2, 2 AVX-512.");
   pybind11::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers")

@@ -69,6 +69,12 @@ QuantLinear make_quant_linear(const std::vector<at::Tensor>& parts,
 void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
                        const QuantLinear& w, const float* bias, Isa isa);
 
+// int8 activations for the GEMV (M <= 8) of Q4_0, Q4_1 and Q8_0 weights on AVX-512 VNNI:
+// each 32-block of x quantized to int8 with one scale, integer dot products (llama.cpp's
+// q8 activations). Off by default; returns false (and stays off) on a build without VNNI.
+bool set_q8_activations(bool on);
+bool q8_activations();
+
 // Tensor entry points (bound in cpu_ops.cpp); `isa` as in resolve_isa.
 at::Tensor quant_dequantize(at::Tensor data, int64_t qtype, int64_t cols, int64_t isa);
 at::Tensor quant_linear(at::Tensor x, std::vector<at::Tensor> parts,

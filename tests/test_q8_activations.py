@@ -1,0 +1,181 @@
+"""int8 activations for the quantized GEMV (``AIOENGINE_Q8_ACTIVATIONS=1``, AVX-512 VNNI
+builds), as llama.cpp's q8 activations (issue 15, "a faster mode that also quantizes
+activations").
+
+- The kernel equals ``F.linear`` of the weight's dequantized fp32 and of
+  ``quant_reference.quantize_activations_q8(x)`` (x as the kernel rounds it) up to fp32
+  summation order, for Q4_0, Q4_1 and Q8_0, odd block counts, 1-8 rows.
+- On the default Q4_1 model, one sequence at a time (the rows where the int8 path runs),
+  against fp32 activations: next-token agreement over 16 prompts x 64 teacher-forced
+  tokens of the fp32 greedy continuation, and perplexity on a fixed text. Measured: 998 of
+  1024 (97.5%) next tokens agree and perplexity is 0.75% lower (31.53 vs 31.77): within 1%
+  for perplexity, not for agreement, so the mode is opt-in (issue 15 allows a default only
+  with both within 1%). The thresholds below hold the mode to what was measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from triton_kernels import cpu_ops, quant_reference
+from triton_kernels.quant import QT, QuantizedWeight
+
+pytestmark = pytest.mark.skipif(not cpu_ops.set_q8_activations(cpu_ops.q8_activations_requested()),
+                                reason="the build has no AVX-512 VNNI int8 path")
+
+Q8_FORMATS = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+#: rows of x the int8 path takes (more rows keep fp32 activations)
+Q8_ROWS = {QT.Q4_0: 2, QT.Q4_1: 2, QT.Q8_0: 8}
+
+
+@pytest.fixture
+def q8_on():
+    before = cpu_ops.load().q8_activations()
+    cpu_ops.set_q8_activations(True)
+    yield
+    cpu_ops.set_q8_activations(before)
+
+
+def assert_close_to(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Within 1e-5 of ``|x| @ |w|^T`` of ``F.linear(x, w)`` (summation order only)."""
+    expected = F.linear(x.double(), w.double())
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    worst = ((out.double() - expected).abs() / bound).max().item()
+    assert worst <= 1.0, f"off by {worst:.1f}x the summation-order bound"
+
+
+@pytest.mark.parametrize("qtype", Q8_FORMATS, ids=lambda t: t.name)
+def test_kernel_equals_f_linear_of_the_rounded_activations(qtype, q8_on):
+    g = torch.Generator().manual_seed(int(qtype))
+    for n, blocks in [(1, 1), (37, 3), (70, 18), (9, 48)]:  # odd counts pair a phantom block
+        k = 32 * blocks
+        w = QuantizedWeight.quantize(torch.randn(n, k, generator=g) * 0.1, qtype)
+        dense = w.dequantize()
+        for m in range(1, 10):
+            x = torch.randn(m, k, generator=g) * 3
+            x[:, :5] = 0.0  # an all-zero block would divide by zero without the guard
+            if blocks == 1:
+                x.zero_()
+            out = cpu_ops.load().quant_linear(x, [w.data], [int(qtype)], k, None, -1)
+            if m <= Q8_ROWS[qtype]:
+                assert_close_to(out, quant_reference.quantize_activations_q8(x), dense)
+                if blocks > 1:  # the int8 path ran: not the fp32-activation result
+                    assert not torch.allclose(out, F.linear(x, dense), rtol=1e-5, atol=1e-5)
+            else:
+                assert_close_to(out, x, dense)
+
+
+def test_the_rounding_twin_is_llama_cpp_q8_0():
+    """``quantize_activations_q8`` rounds as gguf's Q8_0 quantizer (llama.cpp's reference)
+    but keeps each block's scale in fp32 where Q8_0 stores it as fp16: equal integers,
+    values within the scale's fp16 rounding (2^-11 relative)."""
+    from gguf import quants as gguf_quants
+
+    x = torch.randn(4, 96) * 2
+    data = gguf_quants.quantize(x.numpy(), QT.Q8_0)
+    ref = torch.from_numpy(gguf_quants.dequantize(data, QT.Q8_0))
+    ours = quant_reference.quantize_activations_q8(x)
+    torch.testing.assert_close(ours, ref, rtol=2 ** -11, atol=0)
+    assert not torch.equal(ours, x)
+
+
+# -- the default model, one sequence at a time -------------------------------------------
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
+        "Gutenberg combined movable metal type, oil-based ink and a wooden screw press. "
+        "Within a few decades printing shops had spread to more than two hundred cities "
+        "across Europe, and the cost of books fell so far that reading, once the privilege "
+        "of monks and nobles, became common among merchants and craftsmen. Scholars could "
+        "now compare identical copies of a text, which changed how knowledge was checked, "
+        "argued over and passed on.")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
+           "The three primary colors are", "Water boils at", "In 1969, the first",
+           "A good way to learn a language is", "The largest planet in our solar system",
+           "To make a cup of tea,", "Photosynthesis is the process", "import numpy as np\n",
+           "The quick brown fox", "Dear hiring manager,", "Rain forms when",
+           "The sum of two and two is", "My favourite book is"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from aioengine import LLM
+
+    # One thread: ~1,500 single-row steps, and on a shared 2-core machine a 2-thread step
+    # waits whenever the other thread is descheduled.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM(executor="inproc", max_num_seqs=16, num_threads=1)
+    torch.set_num_threads(threads)
+
+
+def teacher_forced(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Per sequence, the log-softmax ``[len - 1, vocab]`` of each next token, running the
+    sequences (at most 2: the rows the Q4 int8 GEMV takes) side by side one token a step
+    through the decode path, each in its own blocks of the runner's cache."""
+    from aioengine.models.llama import AttentionMetadata
+
+    assert len(seqs) <= 2
+    runner = llm.executor.runner
+    bs = runner.block_size
+    per_seq = -(-max(map(len, seqs)) // bs)
+    tables = torch.arange(len(seqs) * per_seq, dtype=torch.int32).view(len(seqs), per_seq)
+    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+    with torch.inference_mode():
+        for t in range(max(map(len, seqs)) - 1):
+            live = [i for i, s in enumerate(seqs) if t < len(s) - 1]
+            attn = AttentionMetadata(
+                slot_mapping=torch.tensor([int(tables[i, t // bs]) * bs + t % bs for i in live]),
+                block_tables=tables[live, :t // bs + 1].contiguous(),
+                cu_seqlens_q=torch.arange(len(live) + 1, dtype=torch.int32),
+                seq_lens=torch.full((len(live),), t + 1, dtype=torch.int32), max_seqlen_q=1,
+                max_seqlen_k=t + 1)
+            hidden = runner.model.forward(torch.tensor([seqs[i][t] for i in live]),
+                                          torch.full((len(live),), t), runner.kv_cache, attn)
+            logp = runner.model.compute_logits(hidden).log_softmax(-1)
+            for j, i in enumerate(live):
+                rows[i].append(logp[j])
+    return [torch.stack(r) for r in rows]
+
+
+def forced_all(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
+    return [lp for k in range(0, len(seqs), 2) for lp in teacher_forced(llm, seqs[k:k + 2])]
+
+
+def test_greedy_agreement_and_perplexity_within_one_percent_of_fp32(model):
+    from aioengine import SamplingParams
+
+    tok = model.tokenizer
+    cpu_ops.set_q8_activations(False)
+    try:
+        prompt_ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        outs = model.generate(prompt_ids, params, use_tqdm=False)
+        seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompt_ids, outs)]
+        text = tok.encode(TEXT, add_special_tokens=False)
+        ref = forced_all(model, seqs)
+        (ref_text,) = teacher_forced(model, [text])
+    finally:
+        cpu_ops.set_q8_activations(True)
+    ours = forced_all(model, seqs)
+    (ours_text,) = teacher_forced(model, [text])
+
+    agree = total = 0
+    for s, p, r, o in zip(seqs, prompt_ids, ref, ours):
+        gen = slice(len(p) - 1, len(s) - 1)  # the 64 positions that predict generated tokens
+        assert torch.equal(r[gen].argmax(-1), torch.tensor(s[len(p):])), "reference replay"
+        agree += int((o[gen].argmax(-1) == r[gen].argmax(-1)).sum())
+        total += gen.stop - gen.start
+    assert total == 16 * 64
+    target = torch.tensor(text[1:])
+    ppl_ref = math.exp(-ref_text.gather(1, target[:, None]).mean().item())
+    ppl_q8 = math.exp(-ours_text.gather(1, target[:, None]).mean().item())
+    print(f"int8 activations: {agree}/{total} next tokens agree with fp32 activations; "
+          f"perplexity {ppl_q8:.4f} vs {ppl_ref:.4f} on {len(text)} tokens")
+    assert agree >= 0.97 * total
+    assert abs(ppl_q8 / ppl_ref - 1) <= 0.01
+    # ... and the int8 path did run: the log-probabilities moved
+    assert not torch.allclose(ours_text, ref_text, atol=1e-5)
