@@ -221,3 +221,19 @@ async def start_fake_engine(config: EngineConfig | None = None) -> Any:
 
     config = config or make_config()
     return await AsyncEngine.from_parts(config, make_tokenizer(), FakeExecutor)
+
+
+def make_llm(**config: Any) -> Any:
+    """An ``LLM`` on ``make_tokenizer()`` and a ``FakeExecutor`` (``LLM.__init__``
+    reads a model file; this sets the same attributes without one)."""
+    from aioengine.engine.llm import LLM
+    from aioengine.engine.llm_engine import LLMEngine
+
+    llm = LLM.__new__(LLM)
+    llm.config = make_config(**config)
+    llm.model_info = None
+    llm.tokenizer = make_tokenizer()
+    llm.executor = FakeExecutor(llm.config)
+    llm.engine = LLMEngine(llm.config, llm.tokenizer, llm.executor)
+    llm._counter = 0
+    return llm

@@ -228,3 +228,26 @@ def test_old_import_paths_still_work():
     assert load_tokenizer is moved and callable(build_app) and DEFAULT_WEB_DIR.name == "web"
     assert issubclass(InprocExecutor, Executor) and issubclass(MultiprocExecutor, Executor)
     assert callable(make_executor) and callable(check_parallel_config)
+
+
+def test_llm_generate_and_chat_on_the_stand_in():
+    from tests.factories import make_llm
+
+    llm = make_llm()
+    tokenizer = make_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=5)
+    outs = llm.generate(["ab", [70, 71, 72]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        greedy_output(tokenizer.encode("ab"), 5),
+        greedy_output([70, 71, 72], 5),
+    ]
+    chat = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    llm.add_request("salted", [70, 71], params, cache_salt="tenant-a")
+    assert llm.run_until_finished()["salted"].outputs[0].token_ids == greedy_output([70, 71], 5)
+    assert llm.stats().num_requests_finished == 4
+    llm.shutdown()
+    assert not llm.executor.is_alive()
