@@ -229,6 +229,56 @@ class _StaticWeb:
         await self.static(scope, receive, send)
 
 
+def _routes(
+    websocket_endpoint: Callable[..., Awaitable[None]], web_dir: str | Path | None
+) -> list[Route | WebSocketRoute | Mount]:
+    """The API routes, then the chat page's files at ``/`` when ``web_dir``
+    (default: ``DEFAULT_WEB_DIR``) holds an ``index.html``."""
+    routes: list[Route | WebSocketRoute | Mount] = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/engine/stats", engine_stats, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        WebSocketRoute("/v1/ws", websocket_endpoint),
+    ]
+    web = Path(web_dir) if web_dir is not None else DEFAULT_WEB_DIR
+    if (web / "index.html").is_file():
+        api_methods = {r.path: set(r.methods or ()) for r in routes if isinstance(r, Route)}
+        static = _StaticWeb(StaticFiles(directory=web, html=True), api_methods)
+        routes.append(Mount("/", app=static, name="web"))
+    return routes
+
+
+def _middleware(
+    origins: list[str], quotas: QuotaManager | None, max_body_bytes: int, limits: ConnectionLimits
+) -> list[Middleware]:
+    """Outermost first: CORS must answer preflights (which carry no API key) and
+    add its headers to 401s too; then WebSocket origins, API keys (with
+    quotas), the body size limit and the body read timeout."""
+    middleware = []
+    if origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+                max_age=600,
+            )
+        )
+    middleware.append(Middleware(WebSocketOriginMiddleware, allowed_origins=origins))
+    if quotas is not None:
+        middleware.append(Middleware(APIKeyMiddleware, quotas=quotas))
+    middleware.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes))
+    middleware.append(Middleware(BodyReadTimeoutMiddleware, body_timeout_s=limits.body_timeout_s))
+    return middleware
+
+
 def _preimport_transformers() -> None:
     # AsyncEngine.start loads the tokenizer and (in-process executor) the model
     # in two threads at once; transformers' lazy module is not safe to import
@@ -306,51 +356,13 @@ def build_app(
         finally:
             await engine.shutdown()
 
-    routes: list[Route | WebSocketRoute | Mount] = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/v1/engine/stats", engine_stats, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        WebSocketRoute("/v1/ws", websocket_endpoint),
-    ]
-    web = Path(web_dir) if web_dir is not None else DEFAULT_WEB_DIR
-    if (web / "index.html").is_file():
-        api_methods = {r.path: set(r.methods or ()) for r in routes if isinstance(r, Route)}
-        routes.append(
-            Mount(
-                "/", app=_StaticWeb(StaticFiles(directory=web, html=True), api_methods), name="web"
-            )
-        )
-
-    # Outermost first: CORS must answer preflights (which carry no API key) and
-    # add its headers to 401s too.
-    origins = list(allowed_origins or [])
-    middleware = []
-    if origins:
-        middleware.append(
-            Middleware(
-                CORSMiddleware,
-                allow_origins=origins,
-                allow_methods=["GET", "POST"],
-                allow_headers=["Authorization", "Content-Type"],
-                max_age=600,
-            )
-        )
-    middleware.append(Middleware(WebSocketOriginMiddleware, allowed_origins=origins))
     specs = list(api_keys or [])
     if api_key:
         specs.append(APIKeySpec.from_key("default", api_key))
     quotas = QuotaManager(specs, quota_window_s) if specs else None
-    if quotas is not None:
-        middleware.append(Middleware(APIKeyMiddleware, quotas=quotas))
-    middleware.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes))
     limits = limits or ConnectionLimits()
-    middleware.append(Middleware(BodyReadTimeoutMiddleware, body_timeout_s=limits.body_timeout_s))
+    routes = _routes(websocket_endpoint, web_dir)
+    middleware = _middleware(list(allowed_origins or []), quotas, max_body_bytes, limits)
     app = Starlette(
         routes=routes,
         middleware=middleware,
