@@ -11,6 +11,7 @@ split of the same jobs). ``LLMEngine`` composes the four; ``LLM`` and
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from concurrent.futures import Future
@@ -128,7 +129,13 @@ class EngineCore:
             executor.num_blocks, self.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache_manager, self.max_model_len, self._sampling_metadata
+            config.scheduler,
+            self.kv_cache_manager,
+            self.max_model_len,
+            # Not a bound method: the scheduler must not hold the core (and through
+            # it the executor) in a reference cycle, or a replaced core's worker
+            # processes and pipes live on until the garbage collector runs.
+            functools.partial(sampling_metadata, eos_token_id=eos_token_id),
         )
         self.structured_output_manager = structured_output_manager
         self._seed_rng = random.Random(config.model.seed)
@@ -191,26 +198,6 @@ class EngineCore:
             if r.structured_output_request is not None
             and not r.structured_output_request.is_ready()
         ]
-
-    def _sampling_metadata(self, request: Request) -> SamplingMetadata:
-        params = request.sampling_params
-        stop_ids = list(params.stop_token_ids)
-        if not params.ignore_eos and self.eos_token_id is not None:
-            stop_ids.append(self.eos_token_id)
-        return SamplingMetadata(
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty,
-            seed=request.seed,
-            logprobs=-1 if params.logprobs is None else params.logprobs,
-            min_tokens=params.min_tokens,
-            stop_token_ids=stop_ids,
-            logit_bias=[(int(t), float(b)) for t, b in params.logit_bias.items()],
-        )
 
     # -- steps ------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -335,6 +322,29 @@ class EngineCore:
             2 if b.ref_cnt else (1 if b.block_hash is not None else 0)
             for b in self.kv_cache_manager.block_pool.blocks
         ]
+
+
+def sampling_metadata(request: Request, eos_token_id: int | None) -> SamplingMetadata:
+    """The worker-side sampling settings of ``request`` (EOS joins the stop ids
+    unless ``ignore_eos``)."""
+    params = request.sampling_params
+    stop_ids = list(params.stop_token_ids)
+    if not params.ignore_eos and eos_token_id is not None:
+        stop_ids.append(eos_token_id)
+    return SamplingMetadata(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        seed=request.seed,
+        logprobs=-1 if params.logprobs is None else params.logprobs,
+        min_tokens=params.min_tokens,
+        stop_token_ids=stop_ids,
+        logit_bias=[(int(t), float(b)) for t, b in params.logit_bias.items()],
+    )
 
 
 def _is_idle(scheduler_output: SchedulerOutput) -> bool:
