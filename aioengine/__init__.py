@@ -2,12 +2,14 @@
 caching, continuous batching, OpenAI API over SSE and WebSocket)."""
 
 from aioengine.config import EngineConfig
+from aioengine.engine.beam_search import BeamSearchParams
 from aioengine.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 from aioengine.structured.params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "AsyncEngine",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineConfig",
     "RequestOutput",

@@ -52,6 +52,10 @@ class Request:
         cache_salt: extra key that keeps this tenant's blocks private.
         structured_output_request: grammar and matcher of a constrained
             request (None when unconstrained).
+        spec_token_ids: draft tokens the worker proposed after the last
+            token (speculative decoding); not part of ``all_token_ids``.
+        engine_chose_tokens: the engine replaced tokens the worker sampled (beam
+            search); the next step sends the worker the uncomputed tokens.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -77,6 +81,8 @@ class Request:
         self.seed = 0  # of this request's own generator, set by the engine
         self.first_scheduled_time: float | None = None
         self.structured_output_request: StructuredOutputRequest | None = None
+        self.spec_token_ids: list[int] = []
+        self.engine_chose_tokens = False
 
     @property
     def use_structured_output(self) -> bool:
@@ -97,6 +103,14 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def pop_output_token(self, block_size: int) -> int:
+        """Drop and return the last generated token (beam search keeps continuations
+        the worker did not sample); block hashes that covered it are forgotten."""
+        token = self.output_token_ids.pop()
+        self.all_token_ids.pop()
+        del self.block_hashes[len(self.all_token_ids) // block_size:]
+        return token
 
     @property
     def is_finished(self) -> bool:

@@ -141,6 +141,7 @@ class CompletionOutput:
             and the top ``SamplingParams.logprobs`` alternatives.
         finish_reason: None while running; "stop", "length" or "abort".
         stop_reason: the stop string or stop token id that ended it, if any.
+        cumulative_logprob: sum of the tokens' logprobs (set by beam search).
     """
 
     index: int
@@ -151,6 +152,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

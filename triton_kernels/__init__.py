@@ -35,6 +35,7 @@ from . import reference
 
 __all__ = [
     "AttentionPlan",
+    "copy_blocks",
     "fused_add_rms_norm",
     "paged_attention",
     "paged_attention_decode",
@@ -212,6 +213,40 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     from . import cpu_ops
 
     return cpu_ops.silu_and_mul(x)
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole KV blocks, every layer and K and V at once, in place: the worker's half of
+    copy-on-write (PagedAttention, Kwon et al. 2023, §4.4; vLLM's ``copy_blocks``).
+
+    Triton on CUDA (``block_copy.py``), the C++ kernel on CPU (``csrc/copy_blocks.cpp``),
+    the torch twin (``reference.copy_blocks``) where the C++ kernels are unavailable.
+
+    Args:
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, each
+            block contiguous.
+        block_mapping: ``[num_pairs, 2]`` int64 ``(src, dst)`` block ids on the cache's
+            device; destinations distinct and never a source in the same call.
+
+    Raises:
+        ValueError: on a malformed cache or mapping.
+        IndexError (torch twin), RuntimeError (C++): a block id outside the cache.
+    """
+    if kv_cache.is_cuda:
+        from .block_copy import copy_blocks as impl
+
+        impl(kv_cache, block_mapping)
+        return
+    from . import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None or not kv_cache[0, 0, 0].is_contiguous() or not hasattr(ops, "copy_blocks"):
+        reference.copy_blocks(kv_cache, block_mapping)
+        return
+    from ._validation import check_copy_blocks
+
+    check_copy_blocks(kv_cache, block_mapping)
+    ops.copy_blocks(kv_cache, block_mapping.contiguous())
 
 
 class _Package(types.ModuleType):

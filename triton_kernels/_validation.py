@@ -141,3 +141,19 @@ def check_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         check_same_device(query=query, key_cache=key_cache, value_cache=value_cache,
                           block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
                           seq_lens=seq_lens)
+
+
+def check_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """``kv_cache`` ``[num_layers, 2, num_blocks, ...]`` of a float dtype and
+    ``block_mapping`` ``[num_pairs, 2]`` int64 on the same device; ValueError otherwise.
+    Block ids are checked by the kernels (they are tensor contents)."""
+    if kv_cache.dim() < 4 or kv_cache.shape[1] != 2:
+        raise ValueError("kv_cache must be [num_layers, 2, num_blocks, ...], got "
+                         f"{_shape(kv_cache)}")
+    if kv_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"kv_cache must be fp16, bf16 or fp32, got {kv_cache.dtype}")
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [num_pairs, 2], got {_shape(block_mapping)}")
+    if block_mapping.dtype != torch.int64:
+        raise ValueError(f"block_mapping must be int64, got {block_mapping.dtype}")
+    check_same_device(kv_cache=kv_cache, block_mapping=block_mapping)

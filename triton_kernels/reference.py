@@ -505,3 +505,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for ``x`` ``[..., 2 * d]`` (SwiGLU, Shazeer 2020)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole KV blocks, every layer and both K and V, in place (torch twin of the C++
+    and Triton ``copy_blocks``; vLLM's cache kernel of that name, used for copy-on-write,
+    PagedAttention §4.4).
+
+    Args:
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (any
+            trailing block shape).
+        block_mapping: ``[num_pairs, 2]`` int64 ``(src, dst)`` block ids; destinations
+            distinct and never a source in the same call.
+
+    Raises:
+        ValueError: on a malformed cache or mapping.
+        IndexError: for a block id outside the cache.
+    """
+    from ._validation import check_copy_blocks
+
+    check_copy_blocks(kv_cache, block_mapping)
+    if block_mapping.shape[0] == 0:
+        return
+    num_blocks = kv_cache.shape[2]
+    if int(block_mapping.min()) < 0 or int(block_mapping.max()) >= num_blocks:
+        raise IndexError(f"block id outside the cache's {num_blocks} blocks")
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    # Advanced indexing gathers every source before any destination is written.
+    kv_cache[:, :, dst] = kv_cache[:, :, src]

@@ -167,6 +167,23 @@ class BlockPool:
         """Fraction of blocks held by some request, in [0, 1]."""
         return self.num_used_blocks / self.num_blocks
 
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one block table (forks, prefix-cache hits)."""
+        return sum(1 for b in self.blocks if b.ref_cnt > 1)
+
+    def share(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """One more reference on blocks already in use (a fork).
+
+        Raises:
+            ValueError: a block is free (nothing holds it to share).
+        """
+        blocks = list(blocks)
+        if any(b.ref_cnt < 1 for b in blocks):
+            raise ValueError("only blocks in use can be shared")
+        for block in blocks:
+            block.ref_cnt += 1
+
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aioengine.config import SchedulerConfig
+from aioengine.core.block_pool import KVCacheBlock
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.errors import SchedulerQueueFull
 from aioengine.ipc.messages import (
@@ -27,6 +28,8 @@ from aioengine.ipc.messages import (
     SchedulerOutput,
 )
 from aioengine.request import Request, RequestStatus
+from aioengine.spec_decode.config import SpeculativeConfig
+from aioengine.spec_decode.scheduling import SpecDecodeScheduler
 
 
 @dataclass
@@ -53,6 +56,8 @@ class _StepBuilder:
         token_budget: tokens left of ``max_num_batched_tokens``.
         num_scheduled_tokens: new tokens per scheduled request id.
         new_block_ids: blocks allocated this step, per running request id.
+        spec_tokens: draft tokens scheduled after a request's last token
+            (speculative decoding), per request id.
         scheduled_running, scheduled_new, scheduled_resumed: the requests
             scheduled, by kind (resumed: back after a preemption).
     """
@@ -60,6 +65,7 @@ class _StepBuilder:
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     scheduled_running: list[Request] = field(default_factory=list)
     scheduled_new: list[Request] = field(default_factory=list)
     scheduled_resumed: list[Request] = field(default_factory=list)
@@ -73,6 +79,7 @@ class Scheduler:
         kv_cache_manager: owner of the block tables.
         max_model_len: context length in tokens.
         sampling_metadata: builds the worker-side sampling settings of a request.
+        speculative_config: drafts to verify (``spec_decode.scheduling``); None: off.
     """
 
     def __init__(
@@ -81,6 +88,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         sampling_metadata: Callable[[Request], SamplingMetadata],
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -95,6 +103,11 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._step_id = 0
         self._scheduled_order: list[Request] = []
+        self.spec = (
+            SpecDecodeScheduler(speculative_config, max_model_len)
+            if speculative_config is not None
+            else None
+        )
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -109,6 +122,28 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
+
+    def add_forked_request(self, parent: Request, child: Request) -> None:
+        """Start ``child`` from ``parent``'s KV blocks (beam search's fork).
+
+        The child's first ``parent.num_computed_tokens`` tokens must be the
+        parent's. A running parent shares its written blocks with the child
+        (``KVCacheManager.fork``) and the child runs from the next step on,
+        reaching the worker as a new request; a parent without blocks
+        (preempted) leaves the child to wait and recompute like any request.
+        """
+        self.requests[child.request_id] = child
+        if (
+            parent.status == RequestStatus.RUNNING
+            and parent.request_id in self.kv_cache_manager.req_to_blocks
+        ):
+            self.kv_cache_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:
+            self._enqueue_waiting(child)
 
     def _enqueue_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=Request.sort_key)
@@ -128,6 +163,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         if request.request_id in self._known_to_worker:
             self._known_to_worker.discard(request.request_id)
             self.finished_req_ids.append(request.request_id)
@@ -164,7 +201,11 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
             if num_new <= 0:
                 continue
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_blocks = self._allocate_with_drafts(request, num_new, step)
+            if new_blocks is not None:
+                num_new += len(step.spec_tokens.get(request.request_id, ()))
+            else:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if victim is None:
@@ -179,6 +220,21 @@ class Scheduler:
             step.num_scheduled_tokens[request.request_id] = num_new
             step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             step.token_budget -= num_new
+
+    def _allocate_with_drafts(
+        self, request: Request, num_new: int, step: _StepBuilder
+    ) -> list[KVCacheBlock] | None:
+        """Blocks for a decode plus its drafts (speculative decoding), or None
+        (no drafts, or not enough free blocks: drafts never preempt)."""
+        if self.spec is None:
+            return None
+        num_spec = self.spec.num_spec_tokens(request, step.token_budget, len(self.running))
+        if not num_spec:
+            return None
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + num_spec)
+        if new_blocks is not None:
+            step.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+        return new_blocks
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         """Waiting requests in (priority, arrival) order while the budget lasts.
@@ -262,6 +318,7 @@ class Scheduler:
         self.kv_cache_manager.free(victim, num_valid_tokens=victim.num_computed_tokens)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
         if victim.request_id in self._known_to_worker:
@@ -271,10 +328,29 @@ class Scheduler:
             step.scheduled_running.remove(victim)
             step.token_budget += step.num_scheduled_tokens.pop(victim.request_id)
             step.new_block_ids.pop(victim.request_id, None)
+            step.spec_tokens.pop(victim.request_id, None)
 
     def _make_output(self, step: _StepBuilder) -> SchedulerOutput:
         """The step's ``SchedulerOutput`` (new requests, then running, then
         resumed ones), and the bookkeeping of what the worker now knows."""
+        # Forked requests (beam search) run straight from their parent's blocks but
+        # are new to the worker, which gets their whole block table and tokens.
+        forked = [r for r in step.scheduled_running if r.request_id not in self._known_to_worker]
+        if forked:
+            step.scheduled_running = [r for r in step.scheduled_running if r not in forked]
+            step.scheduled_new = forked + step.scheduled_new
+            self._known_to_worker.update(r.request_id for r in forked)
+            for r in forked:
+                self.kv_cache_manager.take_cow_replaced(r.request_id)
+        for r in step.scheduled_new:
+            r.engine_chose_tokens = False
+
+        def new_token_ids(r: Request) -> list[int]:
+            if not r.engine_chose_tokens:
+                return []
+            r.engine_chose_tokens = False
+            return r.all_token_ids[r.num_computed_tokens :]
+
         self._step_id += 1
         new_reqs = [
             NewRequestData(
@@ -292,6 +368,8 @@ class Scheduler:
                 req_id=r.request_id,
                 new_block_ids=step.new_block_ids[r.request_id],
                 num_computed_tokens=r.num_computed_tokens,
+                cow_block_ids=self.kv_cache_manager.take_cow_replaced(r.request_id),
+                new_token_ids=new_token_ids(r),
             )
             for r in step.scheduled_running
         ]
@@ -301,6 +379,7 @@ class Scheduler:
                 new_block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 resumed=True,
+                new_token_ids=new_token_ids(r),
             )
             for r in step.scheduled_resumed
         ]
@@ -312,6 +391,8 @@ class Scheduler:
             num_scheduled_tokens=[step.num_scheduled_tokens[r.request_id] for r in order],
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
+            scheduled_spec_decode_tokens=step.spec_tokens,
+            copy_blocks=self.kv_cache_manager.take_copy_blocks(),
         )
         self.finished_req_ids = []
         self.preempted_req_ids = []
@@ -347,11 +428,27 @@ class Scheduler:
         """
         results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
         logprobs = runner_output.logprobs
+        drafts_of = output.scheduled_spec_decode_tokens
         for k, (request, num_new) in enumerate(
             zip(self._scheduled_order, output.num_scheduled_tokens)
         ):
             if request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if runner_output.spec_token_ids is not None:
+                request.spec_token_ids = runner_output.spec_token_ids[k]
+            drafts = drafts_of.get(request.request_id)
+            if drafts:
+                assert runner_output.num_accepted_tokens is not None  # a step with drafts
+                results.extend(
+                    self._apply_verified(
+                        request,
+                        num_new,
+                        drafts,
+                        runner_output.num_accepted_tokens[k],
+                        runner_output.sampled_token_ids[k],
+                    )
+                )
+                continue
             before = request.num_computed_tokens
             request.num_computed_tokens += num_new
             self.stats.num_prompt_tokens += max(
@@ -365,6 +462,26 @@ class Scheduler:
             request.append_output_token_ids([token])
             self._check_stop(request, token)
             results.append((request, token, logprobs[k] if logprobs else None))
+        return results
+
+    def _apply_verified(
+        self, request: Request, num_new: int, drafts: list[int], num_accepted: int, token: int
+    ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
+        """A decode step with drafts: emit the accepted drafts and the token after
+        them, one at a time (a stop ends the rest), and roll the rejected
+        drafts' slots back (``num_computed_tokens`` and blocks)."""
+        assert self.spec is not None
+        request.num_computed_tokens += num_new - (len(drafts) - num_accepted)
+        self.spec.observe(request, len(drafts), num_accepted)
+        results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
+        for t in drafts[:num_accepted] + [token]:
+            self.stats.num_generation_tokens += 1
+            request.append_output_token_ids([t])
+            results.append((request, t, None))
+            self._check_stop(request, t)
+            if request.is_finished:
+                return results
+        self.kv_cache_manager.rollback(request)
         return results
 
     def _check_stop(self, request: Request, token: int) -> None:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from aioengine.config import EngineConfig
+from aioengine.engine.beam_search import BeamSearchParams
 from aioengine.engine.core import EngineStats
 from aioengine.engine.input_processor import InputProcessor
 from aioengine.engine.llm_engine import EngineStep, LLMEngine
@@ -61,6 +62,9 @@ _CUMULATIVE_STATS = (
     "num_prompt_tokens",
     "num_generation_tokens",
     "num_requests_finished",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
 
 
@@ -299,11 +303,13 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queue a request and return its stream.
+        """Queue a request and return its stream. A ``BeamSearchParams`` request
+        yields one output, when the search is done (``beam_width`` completions,
+        best first).
 
         Raises:
             EngineDeadError: the worker is down (503).
@@ -314,7 +320,12 @@ class AsyncEngine:
             raise EngineDeadError("the server is shutting down")
         if not self.healthy or self.core is None:
             raise EngineDeadError("the engine is not ready (the model worker is restarting)")
-        self.core.add_request(request_id, prompt_token_ids, params, priority, cache_salt)
+        if isinstance(params, BeamSearchParams):
+            self.core.add_beam_search_request(
+                request_id, prompt_token_ids, params, priority, cache_salt
+            )
+        else:
+            self.core.add_request(request_id, prompt_token_ids, params, priority, cache_salt)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._wakeup.set()
@@ -399,6 +410,13 @@ class AsyncEngine:
         for name in _CUMULATIVE_STATS:
             setattr(stats, name, getattr(stats, name) + self._retired_stats[name])
         stats.max_reqs_in_step = max(stats.max_reqs_in_step, self._retired_max_reqs_in_step)
+        if stats.spec_decode_num_drafts:  # the ratios over the summed counters
+            stats.spec_decode_acceptance_rate = (
+                stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+            )
+            stats.spec_decode_mean_acceptance_length = (
+                1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts
+            )
         return stats
 
     # -- draining (graceful shutdown) -------------------------------------------------

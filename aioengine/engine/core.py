@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from aioengine.config import EngineConfig
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
+from aioengine.engine.beam_search import BeamSearchGroup, BeamSearchParams
 from aioengine.engine.input_processor import EngineCoreRequest
 from aioengine.errors import RequestRejected, SchedulerQueueFull
 from aioengine.executor.abstract import Executor
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, SchedulerOutput
 from aioengine.request import Request, RequestStatus
+from aioengine.sampling_params import SamplingParams
 from aioengine.structured.manager import StructuredOutputManager
 
 __all__ = ["EngineCore", "EngineCoreOutput", "EngineCoreOutputs", "EngineStats", "RequestRejected"]
@@ -56,6 +58,14 @@ class EngineStats:
     num_requests_finished: int = 0
     last_step_time: float = 0.0
     last_forward_time: float = 0.0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_acceptance_rate: float = 0.0
+    spec_decode_mean_acceptance_length: float = 0.0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_kv_blocks_shared: int = 0
+    num_cow_copies: int = 0
     block_usage_map: list[int] = field(default_factory=list)
 
 
@@ -93,12 +103,15 @@ class EngineCoreOutputs:
         scheduled_time: ``time.monotonic()`` when the step was scheduled.
         executed: False when nothing could be scheduled (the executor was not
             called: all waiting requests wait for a grammar, or nothing fits).
+        finished_beam_searches: beam searches that ended this step (their
+            ``finished`` beams, best first).
     """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduled_new_request_ids: list[str] = field(default_factory=list)
     scheduled_time: float = 0.0
     executed: bool = True
+    finished_beam_searches: list[BeamSearchGroup] = field(default_factory=list)
 
 
 class EngineCore:
@@ -128,19 +141,22 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             executor.num_blocks, self.block_size, config.cache.enable_prefix_caching
         )
+        # A partial, not the bound method: the scheduler must not hold the core (and
+        # through it the executor) in a reference cycle, or a replaced core's worker
+        # processes and pipes stay open until the garbage collector runs.
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv_cache_manager,
             self.max_model_len,
-            # Not a bound method: the scheduler must not hold the core (and through
-            # it the executor) in a reference cycle, or a replaced core's worker
-            # processes and pipes live on until the garbage collector runs.
             functools.partial(sampling_metadata, eos_token_id=eos_token_id),
+            config.speculative,
         )
         self.structured_output_manager = structured_output_manager
         self._seed_rng = random.Random(config.model.seed)
         self.last_step_time = 0.0
         self.last_forward_time = 0.0
+        self.beam_searches: dict[str, BeamSearchGroup] = {}
+        self._beam_of: dict[str, BeamSearchGroup] = {}
 
     # -- requests ---------------------------------------------------------------
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
@@ -175,6 +191,80 @@ class EngineCore:
                 )
             self.scheduler.add_request(request)
 
+    def add_beam_search(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
+        """Queue a beam search (``BeamSearchGroup``): its first beam prefills the
+        prompt; it ends in ``EngineCoreOutputs.finished_beam_searches``.
+
+        Raises:
+            SchedulerQueueFull: the waiting queue is full.
+            ValueError: ``request_id`` is already a beam search here.
+        """
+        if request_id in self.beam_searches:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # Each beam computes one token a step; the group decides which beams go on,
+        # when one ends and which token it keeps, so a beam never stops by itself.
+        beam_params = SamplingParams(
+            temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True
+        )
+        eos = None if params.ignore_eos else self.eos_token_id
+
+        def make_request(rid: str, output_token_ids: list[int]) -> Request:
+            r = Request(
+                rid,
+                prompt_token_ids,
+                beam_params,
+                params.max_tokens + 1,
+                self.eos_token_id,
+                priority,
+                arrival_time,
+                cache_salt,
+            )
+            r.append_output_token_ids(output_token_ids)
+            return r
+
+        first = make_request(f"{request_id}#beam0", [])
+        group = BeamSearchGroup(request_id, first, params, eos, make_request)
+        # Beyond SamplingParams' own bound of 20: the top 2k logprobs of every beam.
+        beam_params.logprobs = group.state.num_candidates
+        self.scheduler.add_request(first)
+        self.beam_searches[request_id] = group
+        self._beam_of[first.request_id] = group
+
+    def abort_beam_search(self, request_id: str) -> bool:
+        """End a beam search and free its beams' blocks; False if unknown."""
+        group = self.beam_searches.pop(request_id, None)
+        if group is None:
+            return False
+        self.scheduler.finish_requests(group.beam_ids, RequestStatus.FINISHED_ABORTED)
+        for rid in group.beam_ids:
+            self._beam_of.pop(rid, None)
+        group.beams = []
+        return True
+
+    def _step_beam_searches(self, groups: dict[str, BeamSearchGroup]) -> list[BeamSearchGroup]:
+        done = []
+        for group in groups.values():
+            if not group.ready():
+                continue
+            old = set(group.beam_ids)
+            finished = group.advance(self.scheduler)
+            for rid in old - set(group.beam_ids):
+                self._beam_of.pop(rid, None)
+            for beam in group.beams:
+                self._beam_of[beam.request_id] = group
+            if finished:
+                self.beam_searches.pop(group.request_id, None)
+                done.append(group)
+        return done
+
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> None:
@@ -198,6 +288,9 @@ class EngineCore:
             if r.structured_output_request is not None
             and not r.structured_output_request.is_ready()
         ]
+
+    def _sampling_metadata(self, request: Request) -> SamplingMetadata:
+        return sampling_metadata(request, self.eos_token_id)
 
     # -- steps ------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -255,9 +348,16 @@ class EngineCore:
         ``max_tokens`` or the context length."""
         self.last_forward_time = runner_output.forward_time + runner_output.sample_time
         outputs: dict[str, EngineCoreOutput] = {}
+        beam_groups: dict[str, BeamSearchGroup] = {}
         for request, token, logprobs in self.scheduler.update_from_output(
             scheduler_output, runner_output
         ):
+            group = self._beam_of.get(request.request_id)
+            if group is not None:
+                if token is not None:
+                    group.accept(request, logprobs, self.block_size)
+                    beam_groups[group.request_id] = group
+                continue
             output = outputs.setdefault(
                 request.request_id, EngineCoreOutput(request.request_id, [])
             )
@@ -275,6 +375,7 @@ class EngineCore:
             list(outputs.values()),
             [new_request.req_id for new_request in scheduler_output.scheduled_new_reqs],
             scheduled_time,
+            finished_beam_searches=self._step_beam_searches(beam_groups) if beam_groups else [],
         )
 
     def _accept_structured(self, request: Request, token: int) -> None:
@@ -313,7 +414,25 @@ class EngineCore:
             num_generation_tokens=counters.num_generation_tokens,
             last_step_time=self.last_step_time,
             last_forward_time=self.last_forward_time,
+            num_kv_blocks_shared=pool.num_shared_blocks,
+            num_cow_copies=kv_cache.num_cow_copies,
+            **self._spec_stats(),
             block_usage_map=self.block_usage_map() if include_block_map else [],
+        )
+
+    def _spec_stats(self) -> dict:
+        """Speculative decoding's ``EngineStats`` fields (vLLM's spec_decode)."""
+        spec = self.scheduler.spec
+        if spec is None:
+            return {}
+        s = spec.stats
+        return dict(
+            spec_decode_num_drafts=s.num_drafts,
+            spec_decode_num_draft_tokens=s.num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.num_accepted_tokens,
+            spec_decode_acceptance_rate=s.acceptance_rate,
+            spec_decode_mean_acceptance_length=s.mean_acceptance_length,
+            spec_decode_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos),
         )
 
     def block_usage_map(self) -> list[int]:

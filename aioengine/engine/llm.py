@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from aioengine.config import EngineConfig
+from aioengine.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from aioengine.engine.core import EngineStats
 from aioengine.engine.llm_engine import LLMEngine
 from aioengine.executor import make_executor
@@ -114,6 +115,65 @@ class LLM:
             for c in convs
         ]
         return self.generate(token_ids, sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, as vLLM's ``LLM.beam_search``; the prompts run
+        together, each one's beams sharing KV blocks copy-on-write.
+
+        Args:
+            prompts: strings, token-id lists, or vLLM prompt dicts (``{"prompt": ...}``
+                or ``{"prompt_token_ids": [...]}``), one or a sequence of them.
+            params: beam width, max_tokens, length_penalty, early_stopping ...
+
+        Returns:
+            Per prompt, in order, ``sequences``: the ``beam_width`` best beams, best
+            first, each with ``tokens`` (prompt and output), ``text`` (the output, EOS
+            left out), ``cum_logprob`` and ``finish_reason``.
+
+        Raises:
+            RequestRejected: a prompt that can never run (too long for the context).
+        """
+        prompt_list: list
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompt_list = [prompts]
+        else:
+            prompt_list = list(prompts)
+        ids = []
+        for prompt in prompt_list:
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+            token_ids = (
+                self.engine.input_processor.tokenize(prompt)
+                if isinstance(prompt, str)
+                else [int(t) for t in prompt]
+            )
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_beam_search_request(request_id, token_ids, params)
+            ids.append(request_id)
+        final = self.run_until_finished(use_tqdm)
+        results = []
+        for rid in ids:
+            out = final[rid]
+            results.append(
+                BeamSearchOutput(
+                    [
+                        BeamSearchSequence(
+                            tokens=out.prompt_token_ids + c.token_ids,
+                            cum_logprob=c.cumulative_logprob or 0.0,
+                            text=c.text,
+                            finish_reason=c.finish_reason,
+                        )
+                        for c in out.outputs
+                    ]
+                )
+            )
+        return results
 
     def run_until_finished(self, use_tqdm: bool = False) -> dict[str, RequestOutput]:
         """Step until every queued request has finished; the final

@@ -10,12 +10,14 @@ stop string ended. Neither loop knows more than this step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from aioengine.config import EngineConfig
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
+from aioengine.engine.beam_search import BeamSearchGroup, BeamSearchParams
 from aioengine.engine.core import EngineCore, EngineCoreOutputs, EngineStats
 from aioengine.engine.input_processor import InputProcessor
 from aioengine.engine.output_processor import OutputProcessor
@@ -23,7 +25,7 @@ from aioengine.engine.parallel_sampling import ParentRequest
 from aioengine.executor.abstract import Executor
 from aioengine.ipc.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.request import RequestStatus
-from aioengine.sampling_params import RequestOutput, SamplingParams
+from aioengine.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 from aioengine.structured.manager import StructuredOutputManager
 
 
@@ -73,6 +75,7 @@ class LLMEngine:
             config, executor, self.structured_output_manager, tokenizer.eos_token_id
         )
         self.output_processor = OutputProcessor(tokenizer)
+        self.num_beam_searches_finished = 0
 
     @property
     def max_model_len(self) -> int:
@@ -112,8 +115,65 @@ class LLMEngine:
         self.core.add_requests(parent.child_requests)
         self.output_processor.add_request(parent)
 
+    def add_beam_search_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a beam search (``beam_search.BeamSearchGroup``, beams sharing KV
+        blocks copy-on-write). Its one ``RequestOutput`` comes when the search is
+        done: ``params.beam_width`` completions, best first, each with its
+        ``cumulative_logprob``; no output before.
+
+        Raises:
+            ValueError: ``request_id`` is already in use.
+            RequestRejected: the prompt can never run (see ``InputProcessor.validate``).
+            SchedulerQueueFull: the waiting queue is full.
+        """
+        if self.output_processor.has_request(request_id) or request_id in self.core.beam_searches:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.input_processor.validate(
+            prompt_token_ids, SamplingParams(max_tokens=params.max_tokens)
+        )
+        self.core.add_beam_search(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority,
+            cache_salt,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
+
+    def _beam_search_output(self, group: BeamSearchGroup) -> RequestOutput:
+        completions = []
+        for i, beam in enumerate(group.finished):
+            text_tokens = beam.tokens[:-1] if beam.finish_reason == "stop" else beam.tokens
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=self.tokenizer.decode(text_tokens, skip_special_tokens=True),
+                    token_ids=list(beam.tokens),
+                    finish_reason=beam.finish_reason,
+                    cumulative_logprob=beam.cum_logprob,
+                )
+            )
+        self.num_beam_searches_finished += 1
+        return RequestOutput(
+            group.request_id,
+            group.prompt_token_ids,
+            completions,
+            True,
+            max(group.num_cached_tokens, 0),
+        )
+
     def abort_request(self, request_id: str) -> bool:
         """End a request and free its blocks. Returns False if it is unknown."""
+        if self.core.abort_beam_search(request_id):
+            return True
         child_ids = self.output_processor.abort_request(request_id)
         if child_ids is None:
             return False
@@ -123,6 +183,17 @@ class LLMEngine:
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with ``error`` set (worker crash, shutdown)."""
         outputs, child_ids = self.output_processor.fail_all(message)
+        for request_id, group in list(self.core.beam_searches.items()):
+            self.core.abort_beam_search(request_id)
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    group.prompt_token_ids,
+                    [CompletionOutput(0, finish_reason="abort")],
+                    True,
+                    error=message,
+                )
+            )
         self.core.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         return outputs
 
@@ -163,6 +234,9 @@ class LLMEngine:
             self.core.finish_requests(
                 processed.request_ids_to_finish, RequestStatus.FINISHED_STOPPED
             )
+        processed.request_outputs += [
+            self._beam_search_output(group) for group in core_outputs.finished_beam_searches
+        ]
         return EngineStep(
             processed.request_outputs,
             core_outputs.scheduled_new_request_ids,
@@ -172,5 +246,7 @@ class LLMEngine:
 
     def stats(self, include_block_map: bool = False) -> EngineStats:
         stats = self.core.stats(include_block_map)
-        stats.num_requests_finished = self.output_processor.num_requests_finished
+        stats.num_requests_finished = (
+            self.output_processor.num_requests_finished + self.num_beam_searches_finished
+        )
         return stats

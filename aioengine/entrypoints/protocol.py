@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from aioengine.engine.beam_search import BeamSearchParams
 from aioengine.sampling_params import SamplingParamError, SamplingParams
 from aioengine.structured.params import StructuredOutputsParams
 
@@ -309,6 +310,10 @@ class SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam-search extension: n beams, the n best returned (no streaming).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """``(constraint, request field it came from)``, or ``(None, None)``.
@@ -365,8 +370,10 @@ class SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """The engine's ``SamplingParams`` for this request.
+    def to_sampling_params(self, default_max_tokens: int | None
+                           ) -> SamplingParams | BeamSearchParams:
+        """The engine's ``SamplingParams`` for this request (``BeamSearchParams`` with
+        ``use_beam_search``).
 
         Args:
             default_max_tokens: used when the request gives none (tokens).
@@ -385,6 +392,10 @@ class SamplingRequest(_Request):
             logit_bias[int(key)] = bias
         if self.cache_salt is not None and not self.cache_salt:
             raise APIError(400, "'cache_salt' must not be empty", "cache_salt", "invalid_value")
+        if self.use_beam_search:
+            return self._beam_search_params(
+                max_tokens if max_tokens is not None else default_max_tokens, max_tokens_field,
+                logprobs, logprobs_field)
         given = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
@@ -407,6 +418,48 @@ class SamplingRequest(_Request):
                 exc.param, exc.param)
             message = str(exc).replace(exc.param, param, 1) if param != exc.param else str(exc)
             raise APIError(400, message, param, "invalid_value") from None
+
+
+    def _beam_search_params(self, max_tokens: int | None, max_tokens_field: str,
+                            logprobs: int | None, logprobs_field: str) -> BeamSearchParams:
+        """``use_beam_search``: ``n`` beams (vLLM's extension). Streaming and the
+        per-token features beam search has no meaning for are refused with a 400."""
+        refused = [("stream", bool(self.stream), "streaming (the best beams are only known "
+                    "when the search ends; send 'stream': false)"),
+                   (logprobs_field, logprobs is not None, "logprobs"),
+                   ("stop", bool(self.stop), "stop strings"),
+                   ("structured_outputs", self.structured_outputs_params()[0] is not None,
+                    "structured outputs")]
+        for field, present, what in refused:
+            if present:
+                raise APIError(400, f"beam search does not support {what}", field,
+                               "unsupported")
+        # Settings that change the distribution beams are ranked by (a neutral value is
+        # fine: clients often send their defaults).
+        neutral = {"top_p": (self.top_p, (None, 1.0)), "top_k": (self.top_k, (None, 0, -1)),
+                   "min_p": (self.min_p, (None, 0.0)),
+                   "presence_penalty": (self.presence_penalty, (None, 0.0)),
+                   "frequency_penalty": (self.frequency_penalty, (None, 0.0)),
+                   "repetition_penalty": (self.repetition_penalty, (None, 1.0)),
+                   "min_tokens": (self.min_tokens, (None, 0)),
+                   "logit_bias": (self.logit_bias or None, (None,))}
+        for field, (value, allowed) in neutral.items():
+            if value not in allowed:
+                raise APIError(400, f"'{field}' does not apply to beam search", field,
+                               "unsupported")
+        kwargs: dict[str, Any] = {"beam_width": 1 if self.n is None else self.n,
+                                  "max_tokens": max_tokens, "ignore_eos": bool(self.ignore_eos),
+                                  "temperature": self.temperature or 0.0}
+        if self.length_penalty is not None:
+            kwargs["length_penalty"] = self.length_penalty
+        if self.early_stopping is not None:
+            kwargs["early_stopping"] = self.early_stopping
+        try:
+            return BeamSearchParams(**kwargs)
+        except SamplingParamError as exc:
+            param = {"beam_width": "n", "max_tokens": max_tokens_field}.get(exc.param, exc.param)
+            raise APIError(400, str(exc).replace(exc.param, param, 1), param,
+                           "invalid_value") from None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -500,7 +553,8 @@ class CompletionRequest(SamplingRequest):
         if self.suffix:
             raise APIError(400, "'suffix' is not supported", "suffix", "unsupported")
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise APIError(400, "'best_of' must equal 'n' (no server-side best-of)", "best_of",
+            raise APIError(400, "'best_of' must equal 'n' (no server-side best-of; with "
+                           "'use_beam_search', 'n' is the beam width)", "best_of",
                            "unsupported")
         if self.echo and self.logprobs is not None:
             raise APIError(400, "'echo' with 'logprobs' needs prompt logprobs, which are not "

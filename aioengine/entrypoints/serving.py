@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from aioengine.core.scheduler import SchedulerQueueFull
 from aioengine.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from aioengine.engine.beam_search import BeamSearchParams
 from aioengine.engine.core import RequestRejected
 from aioengine.entrypoints.protocol import (
     APIError,
@@ -151,11 +152,13 @@ class OpenAIServing:
         room = min(self.max_model_len, cache_tokens) - prompt_len
         return room if room > 0 else None
 
-    def sampling_params(self, request: SamplingRequest, prompt_len: int) -> SamplingParams:
+    def sampling_params(self, request: SamplingRequest, prompt_len: int
+                        ) -> SamplingParams | BeamSearchParams:
+        """The request's engine parameters (``BeamSearchParams`` with ``use_beam_search``)."""
         return request.to_sampling_params(self.default_max_tokens(prompt_len))
 
     async def prepare_structured_outputs(self, request: SamplingRequest,
-                                         params: SamplingParams) -> None:
+                                         params: SamplingParams | BeamSearchParams) -> None:
         """Compile the request's output constraint (in the grammar thread, cached)
         before it is queued.
 
@@ -163,8 +166,8 @@ class OpenAIServing:
             APIError: 400 naming the field whose schema, regex or grammar the
                 grammar library cannot compile.
         """
-        if params.structured_outputs is None:
-            return
+        if getattr(params, "structured_outputs", None) is None:
+            return  # none, or beam search (which refuses constraints)
         try:
             await self.engine.compile_grammar(params.structured_outputs)
         except GrammarError as exc:
@@ -198,7 +201,8 @@ class OpenAIServing:
                                    tool_calls=calls), finish
 
     # -- engine requests -------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | BeamSearchParams,
                     request: SamplingRequest) -> RequestStream:
         """Start an engine request.
 

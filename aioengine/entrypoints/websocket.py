@@ -235,6 +235,10 @@ class WebSocketSession:
                     prompt_ids = prompts[0][0]
                 prompt_len = len(prompt_ids)
                 params = self.serving.sampling_params(req, prompt_len)
+                if req.use_beam_search:
+                    raise APIError(400, "beam search does not stream: use POST "
+                                   "/v1/completions or /v1/chat/completions with 'stream': "
+                                   "false", "use_beam_search", "unsupported")
                 await self.serving.prepare_structured_outputs(req, params)
                 if self.key is not None and self.quotas is not None:
                     group.lease = self.quotas.admit(

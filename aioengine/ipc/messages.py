@@ -50,13 +50,20 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     """A request the worker knows: blocks added since last step.
 
     When ``resumed`` is true the request was preempted and ``new_block_ids``
-    is its whole new block table (replacing the old one).
+    is its whole new block table (replacing the old one). ``cow_block_ids``
+    lists ``(block table index, new block id)`` entries that copy-on-write
+    replaced this step (the copies are in ``SchedulerOutput.copy_blocks``).
+    ``new_token_ids``, when not empty, are the tokens at positions
+    ``num_computed_tokens..`` as the engine chose them, replacing what the
+    worker sampled (beam search keeps continuations it did not sample).
     """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     resumed: bool = False
+    cow_block_ids: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
@@ -69,6 +76,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
     ``structured_output_request_ids[i]`` may sample this step (bit ``j % 32``
     of word ``j // 32`` for token ``j``). Only constrained requests that
     sample in this step have a row; a step without any carries ``None``.
+
+    ``scheduled_spec_decode_tokens`` (speculative decoding, vLLM's name) maps a
+    request to the draft tokens scheduled after its last token: its
+    ``num_scheduled_tokens`` entry counts them, the worker scores them all in
+    this step's forward and verifies them (``spec_decode.verifier``).
     """
 
     step_id: int
@@ -79,6 +91,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
     preempted_req_ids: list[str]
     structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: bytes | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    copy_blocks: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -101,6 +115,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=2):
     prefilled (nothing sampled). ``logprobs[i]``, when requested, holds the
     sampled token's logprob first, then the top alternatives, as
     ``(token_id, logprob)`` pairs. Times are in seconds, measured in the worker.
+
+    Speculative decoding: ``num_accepted_tokens[i]`` of request ``i``'s
+    scheduled drafts were accepted, so it emits those drafts and then
+    ``sampled_token_ids[i]``; ``spec_token_ids[i]`` are its drafts for the next
+    step (empty: none). Both None when the worker does not speculate.
     """
 
     step_id: int
@@ -108,6 +127,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=2):
     logprobs: list[list[tuple[int, float]] | None] | None
     forward_time: float
     sample_time: float
+    num_accepted_tokens: list[int] | None = None
+    spec_token_ids: list[list[int]] | None = None
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag=3):

@@ -709,6 +709,8 @@ class LlamaDecodeLayers {
   aioengine::Isa isa_;
 };
 
+void copy_blocks(at::Tensor kv_cache, const at::Tensor& block_mapping);  // copy_blocks.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel releases the GIL, as torch's own ops do: an in-process engine runs steps
   // in a thread beside its event loop.
@@ -716,6 +718,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, release());
   m.def("fused_add_rms_norm", &fused_add_rms_norm, release());
   m.def("silu_and_mul", &silu_and_mul, release());
+  m.def("copy_blocks", &copy_blocks, pybind11::arg("kv_cache"), pybind11::arg("block_mapping"),
+        release());
   m.def("linear", &linear, pybind11::arg("x"), pybind11::arg("weight"),
         pybind11::arg("bias") = pybind11::none(), release());
   m.def("quant_dequantize", &aioengine::quant_dequantize, pybind11::arg("data"),
