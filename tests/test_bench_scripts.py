@@ -271,3 +271,13 @@ def test_quantized_script_measures_ours_without_llama_cpp(tmp_path: Path) -> Non
     assert server["restart"]["serving_again_s"] > 0
     assert report["cpu"]["model"] and "aioengine serve" in report["table_markdown"]
     assert (tmp_path / "quantized_vs_llama_cpp.png").stat().st_size > 0
+
+
+def test_spec_decode_script_compares_both_engines(tmp_path: Path) -> None:
+    out = tmp_path / "spec.json"
+    run_script("spec_decode.py", "--quick", "--out", str(out), "--plot", str(tmp_path / "s.png"))
+    report = json.loads(out.read_text())
+    assert {"grounded", "grounded_total", "summarise", "open_chat", "concurrent",
+            "spec_stats", "cpu"} <= set(report)
+    assert report["spec_stats"]["spec_decode_num_drafts"] > 0
+    assert (tmp_path / "s.png").stat().st_size > 0

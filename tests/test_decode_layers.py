@@ -190,7 +190,7 @@ def test_decode_layers_over_a_half_kv_cache_equal_the_python_forward(cache_dtype
     hidden = model.forward(input_ids, positions, cache_fused, attn)
     assert calls == [True], "the decode step did not take the fused path"
     assert cache_fused.dtype == cache_dtype
-    fused, model.decode_layers = model.decode_layers, None
+    model.decode_layers = None  # the Python layer loop: the reference
     cache_python = half.clone()
     expected = model.forward(input_ids, positions, cache_python, attn)
     torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)

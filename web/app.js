@@ -30,6 +30,7 @@ const panel = new EnginePanel({
     running: $("stat-running"), waiting: $("stat-waiting"), used: $("stat-blocks-used"),
     total: $("stat-blocks-total"), hitRate: $("stat-hit-rate"),
     preemptions: $("stat-preemptions"), lastStep: $("stat-last-step"),
+    spec: $("stat-spec"),
   },
 });
 

@@ -59,6 +59,16 @@ export class EnginePanel {
     stat.hitRate.title = `${s.prefix_cache_hits} of ${s.prefix_cache_queries} prompt tokens`;
     stat.preemptions.textContent = s.num_preemptions;
     stat.lastStep.textContent = `${s.num_reqs_last_step} req · ${s.num_tokens_last_step} tok`;
+    // Speculative decoding: acceptance rate and tokens per verification ("–" while off).
+    if (stat.spec) {
+      stat.spec.textContent = s.spec_decode_num_drafts > 0
+        ? `${(100 * s.spec_decode_acceptance_rate).toFixed(0)} % · ` +
+          `${s.spec_decode_mean_acceptance_length.toFixed(2)} tok/step`
+        : "–";
+      stat.spec.title = `${s.spec_decode_num_accepted_tokens} of ` +
+        `${s.spec_decode_num_draft_tokens} draft tokens accepted in ` +
+        `${s.spec_decode_num_drafts} verifications`;
+    }
     if (Array.isArray(s.block_usage_map) && s.block_usage_map.length) {
       this.renderGrid(s.block_usage_map);
     }

@@ -232,7 +232,9 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock],
                            num_tokens: int) -> None:
-        num_full = num_tokens // self.block_size
+        # Draft tokens (speculative decoding) are not the request's tokens yet:
+        # only blocks full of its own tokens get a hash.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -278,6 +280,26 @@ class KVCacheManager:
                     self._copy_holds[src.block_id] -= 1
                 self.num_cow_copies -= len(moot)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def rollback(self, request: Request) -> None:
+        """After a speculative step: drop the blocks past
+        ``request.num_computed_tokens`` (allocated only for rejected drafts)
+        and register the blocks the accepted drafts filled, so the block table
+        and hashes are those of a run that never speculated.
+
+        Call once the step's tokens are appended and ``num_computed_tokens``
+        has moved back over the rejected drafts. The dropped blocks never had a
+        hash (``_cache_full_blocks`` stops at the request's own tokens).
+        """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(blocks) > keep:
+            self.block_pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, request.num_computed_tokens)
 
     def num_unwritten_shared_blocks(self, request: Request) -> int:
         """Blocks this request is to write in the current step that other

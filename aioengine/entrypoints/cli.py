@@ -78,6 +78,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many worker processes "
                         "(torch.distributed; default: %(default)s)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                        '"prompt_lookup_max": 4}\' (default: off)')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -98,6 +102,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "executor": args.executor or ("process" if args.tensor_parallel_size > 1 else "inproc"),
         "num_threads": args.num_threads, "tensor_parallel_size": args.tensor_parallel_size,
         "standby_worker": args.standby_worker,
+        "speculative_config": args.speculative_config,
     }
 
 

@@ -58,6 +58,17 @@ _STATS_METRICS = [
     ("last_step_time", "last_step_seconds", "Wall time of the last step (seconds).", False),
     ("last_forward_time", "last_forward_seconds", "Forward + sampling of the last step (s).",
      False),
+    # Speculative decoding (vLLM's spec_decode names; zero while it is off).
+    ("spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Verifications of at least one draft token.", True),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified.",
+     True),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Draft tokens accepted.", True),
+    ("spec_decode_acceptance_rate", "spec_decode_draft_acceptance_rate",
+     "Accepted / verified draft tokens (0..1).", False),
+    ("spec_decode_mean_acceptance_length", "spec_decode_mean_acceptance_length",
+     "Tokens emitted per verification: 1 + accepted / drafts.", False),
 ]
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), seconds.
@@ -83,6 +94,12 @@ class _StatsCollector:
                 f"aioengine:{name}", help_text, labels=["model_name"])
             family.add_metric([self.model_name], getattr(stats, field))
             yield family
+        per_pos = CounterMetricFamily("aioengine:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
         healthy = GaugeMetricFamily("aioengine:engine_healthy",
                                     "1 while the engine serves requests, 0 while its worker "
                                     "restarts or the server drains.", labels=["model_name"])

@@ -76,6 +76,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
     ``structured_output_request_ids[i]`` may sample this step (bit ``j % 32``
     of word ``j // 32`` for token ``j``). Only constrained requests that
     sample in this step have a row; a step without any carries ``None``.
+
+    ``scheduled_spec_decode_tokens`` (speculative decoding, vLLM's name) maps a
+    request to the draft tokens scheduled after its last token: its
+    ``num_scheduled_tokens`` entry counts them, the worker scores them all in
+    this step's forward and verifies them (``spec_decode.verifier``).
     """
 
     step_id: int
@@ -86,6 +91,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=1):
     preempted_req_ids: list[str]
     structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: bytes | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
     copy_blocks: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
     @property
@@ -109,6 +115,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=2):
     prefilled (nothing sampled). ``logprobs[i]``, when requested, holds the
     sampled token's logprob first, then the top alternatives, as
     ``(token_id, logprob)`` pairs. Times are in seconds, measured in the worker.
+
+    Speculative decoding: ``num_accepted_tokens[i]`` of request ``i``'s
+    scheduled drafts were accepted, so it emits those drafts and then
+    ``sampled_token_ids[i]``; ``spec_token_ids[i]`` are its drafts for the next
+    step (empty: none). Both None when the worker does not speculate.
     """
 
     step_id: int
@@ -116,6 +127,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=2):
     logprobs: list[list[tuple[int, float]] | None] | None
     forward_time: float
     sample_time: float
+    num_accepted_tokens: list[int] | None = None
+    spec_token_ids: list[list[int]] | None = None
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag=3):

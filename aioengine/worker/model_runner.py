@@ -23,6 +23,7 @@ from aioengine.models import registry
 from aioengine.models.decoder import DecoderArch
 from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.loader import load_hf_config, load_weights
+from aioengine.spec_decode import verifier
 from aioengine.worker.sampler import SamplingBatch, sample
 import triton_kernels
 from triton_kernels import cpu_ops
@@ -205,6 +206,8 @@ class ModelRunner:
         self.token_ids = np.zeros((0, self.max_model_len + 1), dtype=np.int64)
         self.block_table = np.zeros((0, self.max_blocks_per_seq), dtype=np.int32)
         self._grow(max(8, config.scheduler.max_num_seqs))
+        self.drafter = (verifier.DraftProposer(config.speculative, self.max_model_len)
+                        if config.speculative is not None else None)
         self.load_time = time.perf_counter() - t0
         logger.info("model ready: %d blocks of %d tokens (KV cache %s), %.1f s", self.num_blocks,
                     self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
@@ -290,6 +293,7 @@ class ModelRunner:
         num_sched = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
         rows = np.array([s.row for s in states], dtype=np.int64)
         num_tokens_known = np.array([s.num_tokens for s in states], dtype=np.int64)
+        num_draft = verifier.write_draft_tokens(so, states, self.token_ids)  # None: no drafts
 
         cu = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(num_sched, out=cu[1:])
@@ -306,6 +310,8 @@ class ModelRunner:
         block_tables = self.block_table[rows, :-(-max_seqlen_k // bs)]
         sampling_mask = seq_lens >= num_tokens_known
         logits_indices = cu[1:][sampling_mask] - 1
+        if num_draft is not None:  # every draft position of a request, and its last token
+            logits_indices = verifier.logits_indices(cu, sampling_mask, num_draft)
 
         attn = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping),
@@ -315,24 +321,38 @@ class ModelRunner:
             max_seqlen_q=int(num_sched.max()),
             max_seqlen_k=max_seqlen_k,
         )
+        if num_draft is not None:
+            attn = verifier.batch_expansion(num_sched, num_draft, positions, row_of_token,
+                                            self.block_table, bs, attn.slot_mapping) or attn
         hidden = self.model.forward(torch.from_numpy(input_ids), torch.from_numpy(positions),
                                     self.kv_cache, attn)
         sampled = np.full(len(states), -1, dtype=np.int64)
         logprobs_out = None
+        num_accepted_out = spec_token_ids = None
         t1 = time.perf_counter()
         if len(logits_indices):
             logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices)])
             sampling_states = [s for s, m in zip(states, sampling_mask) if m]
-            if logits is not None:
-                batch = self._sampling_batch(sampling_states)
-                batch.grammar_bitmask = grammar_bitmask_rows(so, sampling_states)
-                tokens, logprobs = sample(logits, batch)
+            num_accepted = None
+            if logits is not None and num_draft is not None:
+                tokens, num_accepted, logprobs = verifier.verify(
+                    self, logits, sampling_states, num_draft[sampling_mask], so,
+                    lambda lg, st: self._sample(lg, st, so))
+            elif logits is not None:
+                tokens, logprobs = self._sample(logits, sampling_states, so)
             else:  # a tensor-parallel rank other than 0: rank 0 samples
                 tokens, logprobs = torch.empty(len(logits_indices), dtype=torch.int64), None
             if self.model.tp_size > 1:
                 tp.broadcast_from_first(tokens)
             tokens_np = tokens.numpy()
             sampled[sampling_mask] = tokens_np
+            if num_accepted is not None:
+                # Accepted drafts already sit in the rows after the last token.
+                for state, n in zip(sampling_states, num_accepted.tolist()):
+                    state.num_tokens += n
+                num_accepted_out = np.zeros(len(states), dtype=np.int64)
+                num_accepted_out[sampling_mask] = num_accepted
+                num_accepted_out = num_accepted_out.tolist()
             for state, token in zip(sampling_states, tokens_np.tolist()):
                 if state.num_tokens <= self.max_model_len:
                     self.token_ids[state.row, state.num_tokens] = token
@@ -341,8 +361,21 @@ class ModelRunner:
                 logprobs_out = [None] * len(states)
                 for k, lp in zip(np.flatnonzero(sampling_mask).tolist(), logprobs):
                     logprobs_out[k] = lp
+            if self.drafter is not None:
+                spec_token_ids = [[] for _ in states]
+                drafts = self.drafter.propose_next(self.token_ids, sampling_states)
+                for k, d in zip(np.flatnonzero(sampling_mask).tolist(), drafts):
+                    spec_token_ids[k] = d
         t2 = time.perf_counter()
-        return ModelRunnerOutput(so.step_id, sampled.tolist(), logprobs_out, t1 - t0, t2 - t1)
+        return ModelRunnerOutput(so.step_id, sampled.tolist(), logprobs_out, t1 - t0, t2 - t1,
+                                 num_accepted_out, spec_token_ids)
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState],
+                so: SchedulerOutput) -> tuple[torch.Tensor, list | None]:
+        """One token per row of ``logits`` ``[len(states), vocab]``."""
+        batch = self._sampling_batch(states)
+        batch.grammar_bitmask = grammar_bitmask_rows(so, states)
+        return sample(logits, batch)
 
     def _sampling_batch(self, states: list[CachedRequestState]) -> SamplingBatch:
         params = [s.sampling for s in states]

@@ -1,0 +1,113 @@
+"""``SpeculativeConfig``: vLLM's ``--speculative-config`` JSON, validated.
+
+The keys are vLLM's (``method``, ``num_speculative_tokens``,
+``prompt_lookup_min``, ``prompt_lookup_max``, ``disable_by_batch_size``), so
+a command line written for ``vllm serve`` works here::
+
+    aioengine serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
+                                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+Two keys are ours: ``min_acceptance_rate`` and ``cooldown_steps`` drive the
+adaptive off-switch (``spec_decode.adaptive``): a request whose recent drafts
+are mostly rejected stops drafting for a while, so speculation never makes a
+low-acceptance workload much slower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+# vLLM's defaults when neither bound is given (vllm/config/speculative.py).
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How requests speculate.
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup: propose what followed the last
+            n tokens where they occurred before in the prompt or output).
+            ``"draft_model"`` is not implemented and is refused.
+        num_speculative_tokens: most draft tokens verified per request and step.
+        prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest
+            first; one given alone sets both, neither gives 5 and 5 (vLLM).
+        disable_by_batch_size: no request drafts in a step when this many or
+            more requests are running (vLLM's key); 0 never disables. A big
+            batch is compute-bound and gains little from verification.
+        min_acceptance_rate: a request whose acceptance over its last
+            ``window`` draft tokens falls below this stops drafting for
+            ``cooldown_steps`` decode steps (doubling each time it happens
+            again); 0 disables the off-switch.
+        window: draft tokens the acceptance rate is measured over.
+        cooldown_steps: first pause, in decode steps.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int = 0
+    min_acceptance_rate: float = 0.2
+    window: int = 16
+    cooldown_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model" or (self.method not in METHODS):
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}"
+                             + (" (draft models are not implemented yet)"
+                                if self.method in ("draft_model", "eagle", "medusa") else ""))
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got "
+                             f"{self.num_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if not (isinstance(lo, int) and lo >= 1):
+            raise ValueError(f"prompt_lookup_min must be an integer >= 1, got {lo!r}")
+        if not (isinstance(hi, int) and hi >= lo):
+            raise ValueError(f"prompt_lookup_max must be an integer >= prompt_lookup_min "
+                             f"({lo}), got {hi!r}")
+        if self.disable_by_batch_size < 0:
+            raise ValueError("disable_by_batch_size must be >= 0")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1], got "
+                             f"{self.min_acceptance_rate}")
+        if self.window < 1 or self.cooldown_steps < 1:
+            raise ValueError("window and cooldown_steps must be >= 1")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        """Build from vLLM's dict; raises ValueError for an unknown key."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None
+              ) -> SpeculativeConfig | None:
+        """A JSON string (the CLI flag), a dict (``LLM(speculative_config=...)``),
+        a config, or None (no speculation). Raises ValueError for bad JSON."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        return cls.from_dict(value)
