@@ -28,8 +28,9 @@ def tokenizer_cache_dir() -> Path:
     ``$XDG_CACHE_HOME/aioengine`` (``~/.cache/aioengine``), then ``tokenizers/``."""
     root = os.environ.get("AIOENGINE_CACHE_DIR")
     if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                            "aioengine")
+        root = os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "aioengine"
+        )
     return Path(root) / "tokenizers"
 
 
@@ -38,8 +39,10 @@ def _tokenizer_key(model_path: str) -> str:
     import transformers
 
     st = os.stat(model_path)
-    ident = (f"{os.path.realpath(model_path)}|{st.st_size}|{st.st_mtime_ns}|"
-             f"{transformers.__version__}|{tokenizers.__version__}")
+    ident = (
+        f"{os.path.realpath(model_path)}|{st.st_size}|{st.st_mtime_ns}|"
+        f"{transformers.__version__}|{tokenizers.__version__}"
+    )
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

@@ -6,6 +6,8 @@ no model file, no server or worker subprocess; tests/factories.py has the
 stand-ins), except their tests marked ``e2e``. Every other test is marked
 ``e2e`` here at collection, so a new test module is end-to-end until it is
 listed. ``pytest -m "not e2e"`` runs the unit tier, ``pytest -m e2e`` the rest.
+In the unit tier every warning is an error (``STRICT_WARNINGS``, with its named
+exceptions); pyproject.toml's filters hold for the e2e tier.
 
 ``server`` starts ``python -m aioengine.entrypoints.cli serve`` once per test
 session on a free port of 127.0.0.1, with a small KV cache and an API key
@@ -44,10 +46,25 @@ UNIT_MODULES = frozenset({
 })
 
 
+# The unit tier's warning filters (later ones win): every warning is an error,
+# except these, each named.
+STRICT_WARNINGS = (
+    "error",
+    # Deprecations inside third-party libraries (transformers, starlette, hypothesis):
+    # theirs to fix. Ours stay errors (the next two).
+    "ignore::DeprecationWarning",
+    "ignore::PendingDeprecationWarning",
+    "error::DeprecationWarning:aioengine.*",
+    "error::DeprecationWarning:tests.*",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name not in UNIT_MODULES:
             item.add_marker(pytest.mark.e2e)
+        elif item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.filterwarnings(*STRICT_WARNINGS))
 SERVER_START_TIMEOUT_S = 180.0
 TEST_API_KEY = "test-key-123"
 

@@ -37,7 +37,8 @@ from aioengine.sampling_params import SamplingParams
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 LETTERS = "abcdefghijklmnopqrstuvwxyz "
 _tokenizer_cache: list[Any] = []
 
@@ -58,9 +59,12 @@ def make_tokenizer() -> Any:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
-                                        bos_token="<|endoftext|>",
-                                        additional_special_tokens=SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS,
+    )
     tokenizer.chat_template = CHATML_TEMPLATE
     _tokenizer_cache.append(tokenizer)
     return tokenizer
@@ -89,8 +93,14 @@ class FakeExecutor(Executor):
         delay_s: seconds each async step takes (to hold requests in flight).
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, num_blocks: int = 64,
-                 max_model_len: int = 512, allow_kernel_build: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        num_blocks: int = 64,
+        max_model_len: int = 512,
+        allow_kernel_build: bool = True,
+    ) -> None:
         if config is not None and config.cache.num_gpu_blocks_override:
             num_blocks = config.cache.num_gpu_blocks_override
         self.num_blocks = num_blocks
@@ -135,14 +145,14 @@ class FakeExecutor(Executor):
             want = meta is not None and meta.logprobs >= 0
             want_logprobs |= want
             logprobs.append([(token, -0.25), (self._letters[0], -1.5)] if want else None)
-        out = ModelRunnerOutput(so.step_id, sampled, logprobs if want_logprobs else None,
-                                0.001, 0.0)
+        out = ModelRunnerOutput(
+            so.step_id, sampled, logprobs if want_logprobs else None, 0.001, 0.0
+        )
         result = decode_from_worker(encode(out))
         assert isinstance(result, ModelRunnerOutput)
         return result
 
-    async def execute_model_async(self, scheduler_output: SchedulerOutput
-                                  ) -> ModelRunnerOutput:
+    async def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return self.execute_model(scheduler_output)
@@ -159,23 +169,40 @@ def greedy_output(prompt_token_ids: list[int], max_tokens: int) -> list[int]:
     letters, tokens = letter_ids(), list(prompt_token_ids)
     for _ in range(max_tokens):
         tokens.append(next_token(tokens, letters))
-    return tokens[len(prompt_token_ids):]
+    return tokens[len(prompt_token_ids) :]
 
 
 _request_ids = itertools.count()
 
 
-def make_request(num_prompt_tokens: int = 8, max_tokens: int = 4, *, request_id: str | None = None,
-                 prompt_token_ids: list[int] | None = None, priority: int = 0,
-                 arrival_time: float | None = None, cache_salt: str | None = None,
-                 **params: Any) -> Request:
+def make_request(
+    num_prompt_tokens: int = 8,
+    max_tokens: int = 4,
+    *,
+    request_id: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    priority: int = 0,
+    arrival_time: float | None = None,
+    cache_salt: str | None = None,
+    **params: Any,
+) -> Request:
     """A scheduler ``Request`` (``ignore_eos``: it runs to ``max_tokens``)."""
-    prompt = prompt_token_ids if prompt_token_ids is not None else [
-        10 + (i * 7) % 200 for i in range(num_prompt_tokens)]
+    prompt = (
+        prompt_token_ids
+        if prompt_token_ids is not None
+        else [10 + (i * 7) % 200 for i in range(num_prompt_tokens)]
+    )
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
-    return Request(request_id or f"req-{next(_request_ids)}", prompt, sampling, max_tokens,
-                   None, priority, time.monotonic() if arrival_time is None else arrival_time,
-                   cache_salt)
+    return Request(
+        request_id or f"req-{next(_request_ids)}",
+        prompt,
+        sampling,
+        max_tokens,
+        None,
+        priority,
+        time.monotonic() if arrival_time is None else arrival_time,
+        cache_salt,
+    )
 
 
 def make_config(**kwargs: Any) -> EngineConfig:
@@ -194,3 +221,19 @@ async def start_fake_engine(config: EngineConfig | None = None) -> Any:
 
     config = config or make_config()
     return await AsyncEngine.from_parts(config, make_tokenizer(), FakeExecutor)
+
+
+def make_llm(**config: Any) -> Any:
+    """An ``LLM`` on ``make_tokenizer()`` and a ``FakeExecutor`` (``LLM.__init__``
+    reads a model file; this sets the same attributes without one)."""
+    from aioengine.engine.llm import LLM
+    from aioengine.engine.llm_engine import LLMEngine
+
+    llm = LLM.__new__(LLM)
+    llm.config = make_config(**config)
+    llm.model_info = None
+    llm.tokenizer = make_tokenizer()
+    llm.executor = FakeExecutor(llm.config)
+    llm.engine = LLMEngine(llm.config, llm.tokenizer, llm.executor)
+    llm._counter = 0
+    return llm

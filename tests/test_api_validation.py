@@ -195,24 +195,29 @@ def test_tokenize_and_detokenize_validate_too(http):
     assert http.post("/detokenize", json={"tokens": [], "unknown": 1}).json() == {"prompt": ""}
 
 
-def test_empty_prompts_get_a_clean_400_or_an_answer(server):
-    requests = [(COMPLETIONS, {"prompt": ""}), (COMPLETIONS, {"prompt": [[]]}),
-                (CHAT, {"messages": [{"role": "user", "content": ""}]}),
-                (CHAT, {"messages": [{"role": "user", "content": []}]}),
-                (CHAT, {"messages": [{"role": "system", "content": ""}]}),
-                (CHAT, {"messages": [{"role": "user", "content": None}]})]
+def test_empty_prompts_get_a_400_naming_the_prompt_and_empty_messages_an_answer(server):
+    """An empty completion prompt has no token to generate from: 400 on
+    ``prompt``. An empty chat message is not an empty prompt (the template
+    wraps it in role tokens): it is answered, one token for ``max_tokens: 1``."""
+    requests = [(COMPLETIONS, {"prompt": ""}, 400), (COMPLETIONS, {"prompt": [[]]}, 400),
+                (CHAT, {"messages": [{"role": "user", "content": ""}]}, 200),
+                (CHAT, {"messages": [{"role": "user", "content": []}]}, 200),
+                (CHAT, {"messages": [{"role": "system", "content": ""}]}, 200),
+                (CHAT, {"messages": [{"role": "user", "content": None}]}, 200)]
 
     async def go():
         async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers,
                                      timeout=300) as client:
             return await asyncio.gather(*(client.post(p, json={**b, "max_tokens": 1})
-                                          for p, b in requests))
+                                          for p, b, _ in requests))
 
-    for r in asyncio.run(go()):
-        if r.status_code == 200:
-            assert r.json()["usage"]["completion_tokens"] >= 1
+    for (_, body, status), r in zip(requests, asyncio.run(go())):
+        if status == 200:
+            assert r.status_code == 200, (body, r.text)
+            assert r.json()["usage"]["completion_tokens"] == 1, body
         else:
-            assert_openai_error(r, 400)
+            assert_openai_error(r, 400, "prompt")
+            assert r.json()["error"]["message"] == "the prompt is empty", body
 
 
 # -- authentication --------------------------------------------------------------------------------

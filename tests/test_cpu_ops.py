@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (triton_kernels/csrc/cpu_ops.cpp) against the torch path.
+"""The C++ CPU kernels (triton_kernels/csrc/, one file per kernel) against the torch path.
 
 The decode attention kernel reads K/V in place through the block table; it must equal
 the gather + SDPA reference (and the naive loop oracle) over ragged lengths, GQA

@@ -190,7 +190,7 @@ def test_decode_layers_over_a_half_kv_cache_equal_the_python_forward(cache_dtype
     hidden = model.forward(input_ids, positions, cache_fused, attn)
     assert calls == [True], "the decode step did not take the fused path"
     assert cache_fused.dtype == cache_dtype
-    fused, model.decode_layers = model.decode_layers, None
+    model.decode_layers = None  # the Python layer loop: the reference
     cache_python = half.clone()
     expected = model.forward(input_ids, positions, cache_python, attn)
     torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)
@@ -225,16 +225,29 @@ def test_prefill_and_mixed_steps_keep_the_python_forward():
 
 def test_bad_shapes_are_refused_by_the_kernel():
     ops = cpu_ops.load()
-    w, n, empty = torch.zeros(4, 4), torch.ones(4), torch.zeros(0)
-    with pytest.raises(RuntimeError, match="per layer 3 norms"):
-        ops.LlamaDecodeLayers([w, w], [], [], 1, 1, 4, 1e-5)
+    w, n = torch.zeros(4, 4), torch.ones(4)
+
+    def layer(norm=n, qkv=w, o=w, gate_up=w, down=w, bias=None):
+        dense = [ops.Projection(parts=[t], qtypes=[0]) for t in (qkv, o, gate_up, down)]
+        return ops.DecoderLayerWeights(input_layernorm=norm, post_attention_layernorm=norm,
+                                       qkv_bias=bias, qkv_proj=dense[0], o_proj=dense[1],
+                                       gate_up_proj=dense[2], down_proj=dense[3])
+
+    with pytest.raises(RuntimeError, match="at least one layer"):
+        ops.LlamaDecodeLayers([], n, 1, 1, 4, 1e-5)
+    with pytest.raises(RuntimeError, match="input_layernorm must be contiguous fp32 \\[8\\]"):
+        ops.LlamaDecodeLayers([layer()], torch.ones(8), 2, 1, 4, 1e-5)
     # hidden 8 (from the final norm) but 4-wide projections
     with pytest.raises(RuntimeError, match=r"F32 part must be fp32 \[rows, 8\]"):
-        ops.LlamaDecodeLayers([torch.ones(8), torch.ones(8), empty, torch.ones(8)],
-                              [[w]] * 4, [[0]] * 4, 2, 1, 4, 1e-5)
+        ops.LlamaDecodeLayers([layer(norm=torch.ones(8))], torch.ones(8), 2, 1, 4, 1e-5)
     with pytest.raises(RuntimeError, match="unexpected weight shapes"):
-        ops.LlamaDecodeLayers([n, n, empty, n], [[torch.zeros(10, 4)], [w], [torch.zeros(6, 4)],
-                                                 [torch.zeros(4, 3)]], [[0]] * 4, 1, 1, 4, 1e-5)
+        ops.LlamaDecodeLayers([layer(qkv=torch.zeros(10, 4), gate_up=torch.zeros(6, 4),
+                                     down=torch.zeros(4, 3))], n, 1, 1, 4, 1e-5)
+    with pytest.raises(RuntimeError, match="qkv_bias must be contiguous fp32 \\[12\\]"):
+        ops.LlamaDecodeLayers([layer(qkv=torch.zeros(12, 4), bias=torch.zeros(5))], n, 1, 1, 4,
+                              1e-5)
+    with pytest.raises(TypeError):  # the weights are named: no positional lists
+        ops.DecoderLayerWeights(n, n, None, *[ops.Projection(parts=[w], qtypes=[0])] * 4)
 
 
 # -- quantized projections against the Python forward on their dequantized values ---------

@@ -24,9 +24,14 @@ import pytest
 from aioengine.config import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALLOWED_MODEL_MODULES = {"aioengine.models", "aioengine.models.arch", "aioengine.models.loader",
-                         "aioengine.models.gguf_file", "aioengine.models.gguf_loader",
-                         "aioengine.models.registry"}
+ALLOWED_MODEL_MODULES = {
+    "aioengine.models",
+    "aioengine.models.arch",
+    "aioengine.models.loader",
+    "aioengine.models.gguf_file",
+    "aioengine.models.gguf_loader",
+    "aioengine.models.registry",
+}
 FORBIDDEN_PREFIXES = ("aioengine.worker", "aioengine.distributed", "triton_kernels")
 
 ENGINE_SCRIPT = """
@@ -50,25 +55,30 @@ asyncio.run(main())
 
 def offending(modules: list[str]) -> list[str]:
     bad = [m for m in modules if m.startswith(FORBIDDEN_PREFIXES)]
-    bad += [m for m in modules
-            if m.startswith("aioengine.models") and m not in ALLOWED_MODEL_MODULES]
+    bad += [
+        m for m in modules if m.startswith("aioengine.models") and m not in ALLOWED_MODEL_MODULES
+    ]
     return sorted(bad)
 
 
 def test_the_boundary_rule_itself():
     assert offending(["aioengine.models.arch", "aioengine.engine.core"]) == []
-    assert offending(["aioengine.models.llama", "aioengine.worker.sampler",
-                      "triton_kernels.quant"]) == ["aioengine.models.llama",
-                                                   "aioengine.worker.sampler",
-                                                   "triton_kernels.quant"]
+    assert offending(
+        ["aioengine.models.llama", "aioengine.worker.sampler", "triton_kernels.quant"]
+    ) == ["aioengine.models.llama", "aioengine.worker.sampler", "triton_kernels.quant"]
 
 
 @pytest.mark.e2e
 def test_engine_process_never_imports_model_code_worker_or_kernels():
     """A real ``AsyncEngine`` with its worker subprocess generates two tokens;
     the engine process's ``sys.modules`` then holds none of the worker's code."""
-    result = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, default_model_path()],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", ENGINE_SCRIPT, default_model_path()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["text"], "the engine generated nothing"
@@ -104,7 +114,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if nxt not in graph:
                 continue
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()

@@ -230,7 +230,24 @@ def test_metrics_and_stats(http):
     assert "aioengine:num_requests_running" in text
 
 
-def test_server_still_serves_after_bad_input(client, model):
+def test_server_still_serves_after_bad_input(client, model, http):
+    """Bad requests of every kind get their 4xx, and the very next good request
+    on the same server is answered correctly."""
+    bad = [(b'{"messages": [', 400, None), (b"[1, 2]", 400, None),
+           ({"messages": CAPITAL, "max_tokens": 10**9}, 400, "max_tokens"),
+           ({"messages": CAPITAL, "temperature": -3}, 400, "temperature"),
+           ({"messages": CAPITAL, "logit_bias": {"999999999": 5}}, 400, "logit_bias"),
+           ({"messages": "not a list"}, 400, "messages"),
+           ({"model": "no-such-model", "messages": CAPITAL}, 404, "model")]
+    for body, status, param in bad:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": {"model": model,
+                                                                              **body}}
+        if isinstance(body, dict) and "model" in body:
+            kwargs["json"]["model"] = body["model"]
+        r = http.post("/v1/chat/completions", **kwargs)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert error["message"] and (param is None or error["param"] == param), (body, error)
     reply = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0,
                                            max_tokens=32)
     assert "Paris" in reply.choices[0].message.content

@@ -26,8 +26,11 @@ from tests.factories import (
 
 def make_engine(num_blocks: int = 64, max_model_len: int = 512, **config) -> LLMEngine:
     config.setdefault("num_gpu_blocks_override", num_blocks)
-    return LLMEngine(make_config(**config), make_tokenizer(),
-                     FakeExecutor(num_blocks=num_blocks, max_model_len=max_model_len))
+    return LLMEngine(
+        make_config(**config),
+        make_tokenizer(),
+        FakeExecutor(num_blocks=num_blocks, max_model_len=max_model_len),
+    )
 
 
 def run(engine: LLMEngine) -> dict[str, RequestOutput]:
@@ -95,15 +98,16 @@ def test_stop_string_ends_the_sample_and_frees_it_in_the_core():
     text = tokenizer.decode(greedy_output(prompt(1), 30))
     stop = text[4:6]
     engine = make_engine()
-    engine.add_request("s", prompt(1), SamplingParams(temperature=0, max_tokens=30,
-                                                      stop=[stop], ignore_eos=True))
+    engine.add_request(
+        "s", prompt(1), SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True)
+    )
     deltas = []
     while engine.has_unfinished_requests():
         for out in engine.step().request_outputs:
             deltas.append(out.outputs[0].delta_text)
             last = out
     completion = last.outputs[0]
-    assert completion.text == text[:text.index(stop)] == "".join(deltas)
+    assert completion.text == text[: text.index(stop)] == "".join(deltas)
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
     assert len(completion.token_ids) < 30 and "s" not in engine.scheduler.requests
 
@@ -133,11 +137,13 @@ def test_input_processor_refusals_name_the_field():
     processor = InputProcessor(make_tokenizer(), max_model_len=32, block_size=4, num_blocks=100)
     small_cache = InputProcessor(make_tokenizer(), max_model_len=64, block_size=4, num_blocks=6)
     assert processor.validate([1, 2, 3], SamplingParams(max_tokens=None)) == 29
-    cases = [(processor, [], SamplingParams(), "prompt"),
-             (processor, [1] * 32, SamplingParams(), "prompt"),
-             (processor, [1, 2], SamplingParams(max_tokens=31), "max_tokens"),
-             (processor, [10_000], SamplingParams(), "prompt"),
-             (small_cache, [1, 2], SamplingParams(max_tokens=23), "max_tokens")]  # 7 blocks
+    cases = [
+        (processor, [], SamplingParams(), "prompt"),
+        (processor, [1] * 32, SamplingParams(), "prompt"),
+        (processor, [1, 2], SamplingParams(max_tokens=31), "max_tokens"),
+        (processor, [10_000], SamplingParams(), "prompt"),
+        (small_cache, [1, 2], SamplingParams(max_tokens=23), "max_tokens"),
+    ]  # 7 blocks
     for checker, token_ids, params, field in cases:
         with pytest.raises(RequestRejected) as info:
             checker.validate(token_ids, params)
@@ -164,8 +170,7 @@ def test_fail_all_ends_every_request_with_the_error():
 
 def test_parent_request_without_seed_leaves_the_draw_to_the_core():
     engine = make_engine()
-    request = engine.input_processor.process_inputs("x", [1, 2], SamplingParams(n=2,
-                                                                                max_tokens=1))
+    request = engine.input_processor.process_inputs("x", [1, 2], SamplingParams(n=2, max_tokens=1))
     parent = ParentRequest(request)
     assert [c.seed for c in parent.child_requests] == [None, None]
     engine.core.add_requests(parent.child_requests)
@@ -178,10 +183,13 @@ def test_async_engine_streams_and_cancelling_aborts():
         engine = await start_fake_engine()
         try:
             engine.executor.delay_s = 0.01
-            texts = [o.outputs[0].text async for o in engine.generate(
-                "hey", SamplingParams(temperature=0, max_tokens=4))]
+            texts = [
+                o.outputs[0].text
+                async for o in engine.generate("hey", SamplingParams(temperature=0, max_tokens=4))
+            ]
             assert texts[-1] == make_tokenizer().decode(
-                greedy_output(make_tokenizer().encode("hey"), 4))
+                greedy_output(make_tokenizer().encode("hey"), 4)
+            )
             stream = engine.generate("hey", SamplingParams(max_tokens=200, ignore_eos=True))
             await stream.__anext__()
             await stream.aclose()  # the client went away
@@ -216,8 +224,30 @@ def test_old_import_paths_still_work():
     from aioengine.models.loader import load_tokenizer
     from aioengine.tokenizer import load_tokenizer as moved
 
-    assert (A, B, C, D) == (SchedulerQueueFull, EngineDeadError, RequestRejected,
-                            WorkerDiedError)
+    assert (A, B, C, D) == (SchedulerQueueFull, EngineDeadError, RequestRejected, WorkerDiedError)
     assert load_tokenizer is moved and callable(build_app) and DEFAULT_WEB_DIR.name == "web"
     assert issubclass(InprocExecutor, Executor) and issubclass(MultiprocExecutor, Executor)
     assert callable(make_executor) and callable(check_parallel_config)
+
+
+def test_llm_generate_and_chat_on_the_stand_in():
+    from tests.factories import make_llm
+
+    llm = make_llm()
+    tokenizer = make_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=5)
+    outs = llm.generate(["ab", [70, 71, 72]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        greedy_output(tokenizer.encode("ab"), 5),
+        greedy_output([70, 71, 72], 5),
+    ]
+    chat = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    llm.add_request("salted", [70, 71], params, cache_salt="tenant-a")
+    assert llm.run_until_finished()["salted"].outputs[0].token_ids == greedy_output([70, 71], 5)
+    assert llm.stats().num_requests_finished == 4
+    llm.shutdown()
+    assert not llm.executor.is_alive()

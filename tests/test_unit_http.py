@@ -47,7 +47,7 @@ def sse_events(response) -> list[dict | str]:
     events: list[dict | str] = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
@@ -65,8 +65,9 @@ def assert_openai_error(response, status: int, param: str | None = None) -> dict
 
 
 def test_chat_completion_is_the_stand_in_models_greedy_text(client):
-    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 9,
-                                                  "temperature": 0})
+    r = client.post(
+        "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 9, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     prompt_ids = chat_prompt_ids(MESSAGES)
@@ -78,8 +79,13 @@ def test_chat_completion_is_the_stand_in_models_greedy_text(client):
 
 
 def test_chat_stream_deltas_join_to_the_text_then_usage_then_done(client):
-    body = {"messages": MESSAGES, "max_tokens": 9, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 9,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -96,16 +102,17 @@ def test_chat_stream_deltas_join_to_the_text_then_usage_then_done(client):
 
 def test_completions_number_choices_prompt_major_and_echo(client):
     tokenizer = make_tokenizer()
-    r = client.post("/v1/completions", json={"prompt": ["ab", "xyz"], "n": 2, "max_tokens": 5,
-                                             "temperature": 0, "echo": True})
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": ["ab", "xyz"], "n": 2, "max_tokens": 5, "temperature": 0, "echo": True},
+    )
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     for c in choices:
         prompt = ["ab", "xyz"][c["index"] // 2]
         assert c["text"] == prompt + expected_text(tokenizer.encode(prompt), 5)
-    assert r.json()["usage"] == {**r.json()["usage"], "prompt_tokens": 5,
-                                 "completion_tokens": 20}
+    assert r.json()["usage"] == {**r.json()["usage"], "prompt_tokens": 5, "completion_tokens": 20}
 
 
 def test_streamed_completion_equals_the_full_one_for_each_choice(client):
@@ -125,11 +132,10 @@ def test_stop_string_cuts_the_text_streamed_or_not(client):
     prompt_ids = make_tokenizer().encode("stop here")
     full_text = expected_text(prompt_ids, 24)
     stop = full_text[5:7]
-    want = full_text[:full_text.index(stop)]
+    want = full_text[: full_text.index(stop)]
     body = {"prompt": "stop here", "max_tokens": 24, "temperature": 0, "stop": [stop]}
     choice = client.post("/v1/completions", json=body).json()["choices"][0]
-    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (want, "stop",
-                                                                                 stop)
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (want, "stop", stop)
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         events = sse_events(r)
     deltas = [e["choices"][0]["text"] for e in events[:-1]]
@@ -140,21 +146,23 @@ def test_stop_string_cuts_the_text_streamed_or_not(client):
 # -- bad input: OpenAI-shaped 4xx, and the server keeps serving -----------------------------------
 
 
-@pytest.mark.parametrize("path,body,status,param", [
-    ("/v1/completions", b"{not json", 400, None),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "", "max_tokens": 1}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [[]], "max_tokens": 1}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [999_999], "max_tokens": 1}, 400, "prompt"),
-    ("/v1/chat/completions", {"messages": [], "max_tokens": 1}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "other", "messages": MESSAGES}, 404, "model"),
-])
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "", "max_tokens": 1}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [[]], "max_tokens": 1}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [999_999], "max_tokens": 1}, 400, "prompt"),
+        ("/v1/chat/completions", {"messages": [], "max_tokens": 1}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "other", "messages": MESSAGES}, 404, "model"),
+    ],
+)
 def test_bad_requests_get_openai_errors(client, path, body, status, param):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     assert_openai_error(client.post(path, **kwargs), status, param)
-    assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code \
-        == 200
+    assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
 def test_unknown_route_is_404_and_wrong_method_405(client):
@@ -171,8 +179,9 @@ def test_a_failed_step_is_503_for_its_requests_and_the_next_request_runs(client)
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert assert_openai_error(r, 503)["code"] == "engine_unavailable"
     engine.executor.fail_next = True
-    with client.stream("POST", "/v1/completions",
-                       json={"prompt": "x", "max_tokens": 3, "stream": True}) as s:
+    with client.stream(
+        "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}
+    ) as s:
         events = sse_events(s)
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_unavailable"
     ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 0})
@@ -191,7 +200,8 @@ def test_health_models_stats_tokenize_detokenize(client):
     assert stats["num_requests_finished"] >= 1 and stats["num_running"] == 0
     tokens = client.post("/tokenize", json={"messages": MESSAGES}).json()
     assert tokens["tokens"] == chat_prompt_ids(MESSAGES) and tokens["count"] == len(
-        tokens["tokens"])
+        tokens["tokens"]
+    )
     text = client.post("/detokenize", json={"tokens": make_tokenizer().encode("héllo")}).json()
     assert text == {"prompt": "héllo"}
     assert client.post("/reset_prefix_cache").json() == {"reset": True}
@@ -205,8 +215,11 @@ def test_websocket_streams_deltas_then_one_done(client):
     with client.websocket_connect("/v1/ws") as ws:
         hello = ws_messages.decode(ws.receive_text())
         assert isinstance(hello, ws_messages.Hello) and hello.model == "fake-model"
-        ws.send_text(json.dumps({"type": "completion", "id": "a", "prompt": "hi",
-                                 "max_tokens": 7, "temperature": 0}))
+        ws.send_text(
+            json.dumps(
+                {"type": "completion", "id": "a", "prompt": "hi", "max_tokens": 7, "temperature": 0}
+            )
+        )
         deltas = []
         while True:
             message = ws_messages.decode(ws.receive_text())
@@ -222,9 +235,13 @@ def test_websocket_streams_deltas_then_one_done(client):
 def test_websocket_bad_messages_are_errors_and_the_socket_stays_open(client):
     with client.websocket_connect("/v1/ws") as ws:
         ws.receive_text()  # hello
-        for raw, code in (("{nope", 400), ("[1]", 400), ('{"type": "fly"}', 400),
-                          ('{"type": "cancel", "id": "zz"}', 404),
-                          ('{"type": "completion", "id": "b", "prompt": "x", "n": 2}', 400)):
+        for raw, code in (
+            ("{nope", 400),
+            ("[1]", 400),
+            ('{"type": "fly"}', 400),
+            ('{"type": "cancel", "id": "zz"}', 404),
+            ('{"type": "completion", "id": "b", "prompt": "x", "n": 2}', 400),
+        ):
             ws.send_text(raw)
             error = ws_messages.decode(ws.receive_text())
             assert isinstance(error, ws_messages.Error) and error.code == code, raw

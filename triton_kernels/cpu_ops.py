@@ -1,4 +1,4 @@
-"""The C++ CPU kernels of ``csrc/`` (``cpu_ops.cpp``, ``quant_ops.cpp``), built on first use.
+"""The C++ CPU kernels of ``csrc/`` (one file per kernel, ``bindings.cpp``), built on first use.
 
 ``torch.utils.cpp_extension.load`` compiles them with ``-O3 -march=native`` (about a
 minute on two cores, once per machine, environment and source version). The build is
@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 #: Set once ``LlamaDecodeLayers`` takes quantized projections (the model gates on it).
 QUANTIZED_DECODE_LAYERS = True
-#: Every file of the build (sources and headers), in a fixed order.
+#: Every file of the build (sources and headers), in a fixed order: a new kernel is a new
+#: ``csrc/*.cpp`` (with its header), bound in ``bindings.cpp``.
 _FILES = sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
 _lock = threading.Lock()
 _module = None
@@ -345,23 +346,22 @@ class LlamaDecodeLayers:
         ops = _ops_for(final_norm.dtype)
         if ops is None:
             return
-        empty = final_norm.new_empty(0)
-        norms: list[torch.Tensor] = []
-        parts: list[list[torch.Tensor]] = []
-        qtypes: list[list[int]] = []
+        named = []
         for in_norm, post_norm, qkv, qkv_bias, o_proj, gate_up, down in layers:
-            small = [in_norm, post_norm, empty if qkv_bias is None else qkv_bias]
+            small = [in_norm, post_norm] + ([] if qkv_bias is None else [qkv_bias])
             if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in small):
                 return
-            norms += small
-            for weight in (qkv, o_proj, gate_up, down):
+            projections = {}
+            for name, weight in (("qkv_proj", qkv), ("o_proj", o_proj),
+                                 ("gate_up_proj", gate_up), ("down_proj", down)):
                 spec = weight_parts(weight)
                 if spec is None:
                     return
-                parts.append(spec[0])
-                qtypes.append(spec[1])
-        norms.append(final_norm)
-        self._impl = ops.LlamaDecodeLayers(norms, parts, qtypes, num_heads, num_kv_heads,
+                projections[name] = ops.Projection(parts=spec[0], qtypes=spec[1])
+            named.append(ops.DecoderLayerWeights(input_layernorm=in_norm,
+                                                 post_attention_layernorm=post_norm,
+                                                 qkv_bias=qkv_bias, **projections))
+        self._impl = ops.LlamaDecodeLayers(named, final_norm, num_heads, num_kv_heads,
                                            head_dim, eps)
 
     @property

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aioengine.config import SchedulerConfig
+from aioengine.core.block_pool import KVCacheBlock
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.errors import SchedulerQueueFull
 from aioengine.ipc.messages import (
@@ -81,16 +82,20 @@ class Scheduler:
         speculative_config: drafts to verify (``spec_decode.scheduling``); None: off.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int,
-                 sampling_metadata: Callable[[Request], SamplingMetadata],
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        sampling_metadata: Callable[[Request], SamplingMetadata],
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self._sampling_metadata = sampling_metadata
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []   # sorted by Request.sort_key()
+        self.waiting: list[Request] = []  # sorted by Request.sort_key()
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []
         self.preempted_req_ids: list[str] = []
@@ -98,8 +103,11 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._step_id = 0
         self._scheduled_order: list[Request] = []
-        self.spec = (SpecDecodeScheduler(speculative_config, max_model_len)
-                     if speculative_config is not None else None)
+        self.spec = (
+            SpecDecodeScheduler(speculative_config, max_model_len)
+            if speculative_config is not None
+            else None
+        )
 
     # -- requests in and out ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,7 +118,8 @@ class Scheduler:
         """
         if len(self.waiting) >= self.config.max_waiting_requests:
             raise SchedulerQueueFull(
-                f"waiting queue is full ({self.config.max_waiting_requests} requests)")
+                f"waiting queue is full ({self.config.max_waiting_requests} requests)"
+            )
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
 
@@ -124,8 +133,10 @@ class Scheduler:
         (preempted) leaves the child to wait and recompute like any request.
         """
         self.requests[child.request_id] = child
-        if (parent.status == RequestStatus.RUNNING
-                and parent.request_id in self.kv_cache_manager.req_to_blocks):
+        if (
+            parent.status == RequestStatus.RUNNING
+            and parent.request_id in self.kv_cache_manager.req_to_blocks
+        ):
             self.kv_cache_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = max(parent.num_cached_tokens, 0)
@@ -210,7 +221,9 @@ class Scheduler:
             step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             step.token_budget -= num_new
 
-    def _allocate_with_drafts(self, request: Request, num_new: int, step: _StepBuilder):
+    def _allocate_with_drafts(
+        self, request: Request, num_new: int, step: _StepBuilder
+    ) -> list[KVCacheBlock] | None:
         """Blocks for a decode plus its drafts (speculative decoding), or None
         (no drafts, or not enough free blocks: drafts never preempt)."""
         if self.spec is None:
@@ -233,12 +246,15 @@ class Scheduler:
         index = 0  # of the next waiting request to consider
         while index < len(self.waiting) and step.token_budget > 0:
             request = self.waiting[index]
-            if (request.structured_output_request is not None
-                    and not request.structured_output_request.is_ready()):
+            if (
+                request.structured_output_request is not None
+                and not request.structured_output_request.is_ready()
+            ):
                 index += 1
                 continue
             if blocked_by_preemption and request.priority >= min(
-                    (r.priority for r in self.running), default=request.priority):
+                (r.priority for r in self.running), default=request.priority
+            ):
                 break
             if len(self.running) >= self.config.max_num_seqs:
                 if not self._preempt_for(request, step):
@@ -276,8 +292,9 @@ class Scheduler:
         request; with ``than``, only one of strictly lower priority than it. A
         request whose blocks other requests hit earlier in this step is never
         picked: they read the K/V it is about to write."""
-        candidates = [r for r in self.running
-                      if not self.kv_cache_manager.num_unwritten_shared_blocks(r)]
+        candidates = [
+            r for r in self.running if not self.kv_cache_manager.num_unwritten_shared_blocks(r)
+        ]
         if not candidates:
             return None
         victim = max(candidates, key=Request.sort_key)
@@ -332,25 +349,40 @@ class Scheduler:
             if not r.engine_chose_tokens:
                 return []
             r.engine_chose_tokens = False
-            return r.all_token_ids[r.num_computed_tokens:]
+            return r.all_token_ids[r.num_computed_tokens :]
 
         self._step_id += 1
-        new_reqs = [NewRequestData(
-            req_id=r.request_id, token_ids=r.all_token_ids,
-            num_prompt_tokens=r.num_prompt_tokens,
-            sampling=self._sampling_metadata(r),
-            block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-            num_computed_tokens=r.num_computed_tokens) for r in step.scheduled_new]
-        cached_reqs = [CachedRequestData(
-            req_id=r.request_id, new_block_ids=step.new_block_ids[r.request_id],
-            num_computed_tokens=r.num_computed_tokens,
-            cow_block_ids=self.kv_cache_manager.take_cow_replaced(r.request_id),
-            new_token_ids=new_token_ids(r)) for r in step.scheduled_running]
-        cached_reqs += [CachedRequestData(
-            req_id=r.request_id, new_block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-            num_computed_tokens=r.num_computed_tokens, resumed=True,
-            new_token_ids=new_token_ids(r))
-            for r in step.scheduled_resumed]
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                token_ids=r.all_token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling=self._sampling_metadata(r),
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in step.scheduled_new
+        ]
+        cached_reqs = [
+            CachedRequestData(
+                req_id=r.request_id,
+                new_block_ids=step.new_block_ids[r.request_id],
+                num_computed_tokens=r.num_computed_tokens,
+                cow_block_ids=self.kv_cache_manager.take_cow_replaced(r.request_id),
+                new_token_ids=new_token_ids(r),
+            )
+            for r in step.scheduled_running
+        ]
+        cached_reqs += [
+            CachedRequestData(
+                req_id=r.request_id,
+                new_block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                resumed=True,
+                new_token_ids=new_token_ids(r),
+            )
+            for r in step.scheduled_resumed
+        ]
         order = step.scheduled_new + step.scheduled_running + step.scheduled_resumed
         output = SchedulerOutput(
             step_id=self._step_id,
@@ -384,8 +416,9 @@ class Scheduler:
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting)
 
-    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput
-                           ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
+    def update_from_output(
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
         """Advance ``num_computed_tokens`` and append sampled tokens.
 
         Returns:
@@ -396,22 +429,31 @@ class Scheduler:
         results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
         logprobs = runner_output.logprobs
         drafts_of = output.scheduled_spec_decode_tokens
-        for k, (request, num_new) in enumerate(zip(self._scheduled_order,
-                                                   output.num_scheduled_tokens)):
+        for k, (request, num_new) in enumerate(
+            zip(self._scheduled_order, output.num_scheduled_tokens)
+        ):
             if request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             if runner_output.spec_token_ids is not None:
                 request.spec_token_ids = runner_output.spec_token_ids[k]
             drafts = drafts_of.get(request.request_id)
             if drafts:
-                results.extend(self._apply_verified(request, num_new, drafts,
-                                                    runner_output.num_accepted_tokens[k],
-                                                    runner_output.sampled_token_ids[k]))
+                assert runner_output.num_accepted_tokens is not None  # a step with drafts
+                results.extend(
+                    self._apply_verified(
+                        request,
+                        num_new,
+                        drafts,
+                        runner_output.num_accepted_tokens[k],
+                        runner_output.sampled_token_ids[k],
+                    )
+                )
                 continue
             before = request.num_computed_tokens
             request.num_computed_tokens += num_new
             self.stats.num_prompt_tokens += max(
-                0, min(request.num_computed_tokens, request.num_prompt_tokens) - before)
+                0, min(request.num_computed_tokens, request.num_prompt_tokens) - before
+            )
             token = runner_output.sampled_token_ids[k]
             if token < 0 or request.num_computed_tokens < request.num_tokens:
                 results.append((request, None, None))
@@ -422,9 +464,9 @@ class Scheduler:
             results.append((request, token, logprobs[k] if logprobs else None))
         return results
 
-    def _apply_verified(self, request: Request, num_new: int, drafts: list[int],
-                        num_accepted: int, token: int
-                        ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
+    def _apply_verified(
+        self, request: Request, num_new: int, drafts: list[int], num_accepted: int, token: int
+    ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
         """A decode step with drafts: emit the accepted drafts and the token after
         them, one at a time (a stop ends the rest), and roll the rejected
         drafts' slots back (``num_computed_tokens`` and blocks)."""
@@ -451,8 +493,10 @@ class Scheduler:
             elif token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
-        if status is None and (request.num_output_tokens >= request.max_tokens
-                               or request.num_tokens >= self.max_model_len):
+        if status is None and (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.finish_requests([request.request_id], status)

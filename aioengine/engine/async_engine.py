@@ -53,10 +53,19 @@ class LatencyObserver(Protocol):
 
 # EngineStats counters that must not go back to zero when a restarted worker
 # brings a fresh EngineCore (Prometheus counters only ever increase).
-_CUMULATIVE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps",
-                     "num_multi_request_steps", "num_prompt_tokens", "num_generation_tokens",
-                     "num_requests_finished", "spec_decode_num_drafts",
-                     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+_CUMULATIVE_STATS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "num_steps",
+    "num_multi_request_steps",
+    "num_prompt_tokens",
+    "num_generation_tokens",
+    "num_requests_finished",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
 
 
 class RequestStream:
@@ -104,7 +113,8 @@ class AsyncEngine:
         self.config = config
         self.model_path = config.model.model_path
         self.served_model_name = config.model.served_model_name or model_display_name(
-            self.model_path)
+            self.model_path
+        )
         self.tokenizer: Any = None
         self.model_info: ModelInfo | None = None
         self.executor: Executor | None = None
@@ -137,8 +147,9 @@ class AsyncEngine:
         self = cls(config)
         # From metadata alone, before any worker starts: a bad file fails here, in one line.
         m = config.model
-        self.model_info = await asyncio.to_thread(inspect_model, self.model_path, m.quantization,
-                                                  m.dtype)
+        self.model_info = await asyncio.to_thread(
+            inspect_model, self.model_path, m.quantization, m.dtype
+        )
         logger.info("model %s: %s", self.model_path, self.model_info.describe())
         # Importing transformers from two threads at once can fail half-way
         # (``cannot import name 'AutoConfig'``): import it once here first.
@@ -150,8 +161,9 @@ class AsyncEngine:
         return self
 
     @classmethod
-    async def from_parts(cls, config: EngineConfig, tokenizer: Any,
-                         executor_factory: Callable[..., Executor]) -> AsyncEngine:
+    async def from_parts(
+        cls, config: EngineConfig, tokenizer: Any, executor_factory: Callable[..., Executor]
+    ) -> AsyncEngine:
         """An engine on a given tokenizer and executor (``executor_factory(config,
         allow_kernel_build=...)`` also makes the replacement after a crash); no
         model file is read. The unit tests run the whole engine on a stand-in
@@ -169,14 +181,17 @@ class AsyncEngine:
             old = self.core.stats()
             for name in _CUMULATIVE_STATS:
                 self._retired_stats[name] += getattr(old, name)
-            self._retired_max_reqs_in_step = max(self._retired_max_reqs_in_step,
-                                                 old.max_reqs_in_step)
+            self._retired_max_reqs_in_step = max(
+                self._retired_max_reqs_in_step, old.max_reqs_in_step
+            )
         if self.structured_output_manager is None:
             self.structured_output_manager = StructuredOutputManager(
-                self.tokenizer, len(self.tokenizer), self.tokenizer.eos_token_id)
+                self.tokenizer, len(self.tokenizer), self.tokenizer.eos_token_id
+            )
         assert self.executor is not None
-        self.core = LLMEngine(self.config, self.tokenizer, self.executor,
-                              self.structured_output_manager)
+        self.core = LLMEngine(
+            self.config, self.tokenizer, self.executor, self.structured_output_manager
+        )
         self._watch_worker()
         self._step_task = asyncio.get_running_loop().create_task(self._step_loop())
         self.healthy = True
@@ -248,7 +263,7 @@ class AsyncEngine:
         old = self.executor
         self._unwatch_worker()
         if old is not None:
-            await asyncio.to_thread(old.shutdown)   # unlinks the old rings
+            await asyncio.to_thread(old.shutdown)  # unlinks the old rings
         standby = await self._take_standby()
         while not self._stopping:
             try:
@@ -256,8 +271,9 @@ class AsyncEngine:
                     executor, standby = standby, None
                     self.executor = await asyncio.to_thread(executor.activate)
                 else:
-                    self.executor = await asyncio.to_thread(self._executor_factory, self.config,
-                                                            allow_kernel_build=False)
+                    self.executor = await asyncio.to_thread(
+                        self._executor_factory, self.config, allow_kernel_build=False
+                    )
                 break
             except Exception:
                 logger.exception("worker restart failed; retrying in 1 s")
@@ -267,8 +283,11 @@ class AsyncEngine:
         self.num_worker_restarts += 1
         self._begin_serving()
         self.restart_times.append(time.monotonic() - t_died)
-        logger.info("worker restarted in %.2f s (%d restarts so far)", self.restart_times[-1],
-                    self.num_worker_restarts)
+        logger.info(
+            "worker restarted in %.2f s (%d restarts so far)",
+            self.restart_times[-1],
+            self.num_worker_restarts,
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -280,9 +299,14 @@ class AsyncEngine:
         return f"{prefix}-{self._counter}"
 
     # -- requests ----------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | BeamSearchParams, priority: int = 0,
-                    cache_salt: str | None = None) -> RequestStream:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | BeamSearchParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         """Queue a request and return its stream. A ``BeamSearchParams`` request
         yields one output, when the search is done (``beam_width`` completions,
         best first).
@@ -297,8 +321,9 @@ class AsyncEngine:
         if not self.healthy or self.core is None:
             raise EngineDeadError("the engine is not ready (the model worker is restarting)")
         if isinstance(params, BeamSearchParams):
-            self.core.add_beam_search_request(request_id, prompt_token_ids, params, priority,
-                                              cache_salt)
+            self.core.add_beam_search_request(
+                request_id, prompt_token_ids, params, priority, cache_salt
+            )
         else:
             self.core.add_request(request_id, prompt_token_ids, params, priority, cache_salt)
         stream = RequestStream(self, request_id)
@@ -306,9 +331,13 @@ class AsyncEngine:
         self._wakeup.set()
         return stream
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
         """Tokenize (in a thread) and stream outputs; see ``add_request`` for errors."""
         token_ids = prompt if isinstance(prompt, list) else await self.tokenize(prompt)
         stream = self.add_request(request_id or self.new_request_id(), token_ids, params, priority)
@@ -345,8 +374,12 @@ class AsyncEngine:
             return encode(text, add_special_tokens)
         return await asyncio.to_thread(encode, text, add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                                  tools: list[dict] | None = None) -> list[int]:
+    async def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         """Token ids of a conversation under the model's own chat template
         (``tools``: OpenAI tool entries, for a template that renders them).
 
@@ -378,10 +411,12 @@ class AsyncEngine:
             setattr(stats, name, getattr(stats, name) + self._retired_stats[name])
         stats.max_reqs_in_step = max(stats.max_reqs_in_step, self._retired_max_reqs_in_step)
         if stats.spec_decode_num_drafts:  # the ratios over the summed counters
-            stats.spec_decode_acceptance_rate = (stats.spec_decode_num_accepted_tokens
-                                                 / stats.spec_decode_num_draft_tokens)
+            stats.spec_decode_acceptance_rate = (
+                stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+            )
             stats.spec_decode_mean_acceptance_length = (
-                1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts)
+                1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts
+            )
         return stats
 
     # -- draining (graceful shutdown) -------------------------------------------------
@@ -444,8 +479,11 @@ class AsyncEngine:
         """Nothing could be scheduled: wait for a grammar to compile, else yield."""
         pending = engine.core.pending_grammars()
         if pending:
-            await asyncio.wait([asyncio.wrap_future(f) for f in pending],
-                               timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [asyncio.wrap_future(f) for f in pending],
+                timeout=0.05,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             return
         # Nothing fits right now (should not happen with a valid cache size).
         await asyncio.sleep(0)
@@ -465,8 +503,9 @@ class AsyncEngine:
     def _record_scheduled(self, request_ids: list[str], now: float) -> None:
         """Queue time of requests scheduled for the first time."""
         for request_id in request_ids:
-            stream = (self._streams.get(request_id)
-                      or self._streams.get(parent_request_id(request_id)))
+            stream = self._streams.get(request_id) or self._streams.get(
+                parent_request_id(request_id)
+            )
             if stream is not None and stream.scheduled_time is None:
                 stream.scheduled_time = now
                 if self.latency_observer is not None:

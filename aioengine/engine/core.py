@@ -11,6 +11,7 @@ split of the same jobs). ``LLMEngine`` composes the four; ``LLM`` and
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from concurrent.futures import Future
@@ -28,8 +29,7 @@ from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 from aioengine.structured.manager import StructuredOutputManager
 
-__all__ = ["EngineCore", "EngineCoreOutput", "EngineCoreOutputs", "EngineStats",
-           "RequestRejected"]
+__all__ = ["EngineCore", "EngineCoreOutput", "EngineCoreOutputs", "EngineStats", "RequestRejected"]
 
 
 @dataclass
@@ -126,18 +126,31 @@ class EngineCore:
         eos_token_id: the tokenizer's end-of-sequence id (None: none).
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor,
-                 structured_output_manager: StructuredOutputManager,
-                 eos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        structured_output_manager: StructuredOutputManager,
+        eos_token_id: int | None,
+    ) -> None:
         self.config = config
         self.executor = executor
         self.eos_token_id = eos_token_id
         self.max_model_len = executor.max_model_len
         self.block_size = config.cache.block_size
-        self.kv_cache_manager = KVCacheManager(executor.num_blocks, self.block_size,
-                                               config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   self._sampling_metadata, config.speculative)
+        self.kv_cache_manager = KVCacheManager(
+            executor.num_blocks, self.block_size, config.cache.enable_prefix_caching
+        )
+        # A partial, not the bound method: the scheduler must not hold the core (and
+        # through it the executor) in a reference cycle, or a replaced core's worker
+        # processes and pipes stay open until the garbage collector runs.
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_cache_manager,
+            self.max_model_len,
+            functools.partial(sampling_metadata, eos_token_id=eos_token_id),
+            config.speculative,
+        )
         self.structured_output_manager = structured_output_manager
         self._seed_rng = random.Random(config.model.seed)
         self.last_step_time = 0.0
@@ -156,21 +169,37 @@ class EngineCore:
         if len(self.scheduler.waiting) + len(requests) > limit:
             raise SchedulerQueueFull(f"waiting queue is full ({limit} requests)")
         for core_request in requests:
-            request = Request(core_request.request_id, core_request.prompt_token_ids,
-                              core_request.sampling_params, core_request.max_tokens,
-                              self.eos_token_id, core_request.priority,
-                              core_request.arrival_time, core_request.cache_salt)
-            request.seed = (core_request.seed if core_request.seed is not None
-                            else self._seed_rng.getrandbits(63))
+            request = Request(
+                core_request.request_id,
+                core_request.prompt_token_ids,
+                core_request.sampling_params,
+                core_request.max_tokens,
+                self.eos_token_id,
+                core_request.priority,
+                core_request.arrival_time,
+                core_request.cache_salt,
+            )
+            request.seed = (
+                core_request.seed
+                if core_request.seed is not None
+                else self._seed_rng.getrandbits(63)
+            )
             structured = core_request.sampling_params.structured_outputs
             if structured is not None:
-                request.structured_output_request = \
-                    self.structured_output_manager.new_request(structured)
+                request.structured_output_request = self.structured_output_manager.new_request(
+                    structured
+                )
             self.scheduler.add_request(request)
 
-    def add_beam_search(self, request_id: str, prompt_token_ids: list[int],
-                        params: BeamSearchParams, priority: int = 0,
-                        cache_salt: str | None = None, arrival_time: float = 0.0) -> None:
+    def add_beam_search(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
         """Queue a beam search (``BeamSearchGroup``): its first beam prefills the
         prompt; it ends in ``EngineCoreOutputs.finished_beam_searches``.
 
@@ -182,13 +211,22 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         # Each beam computes one token a step; the group decides which beams go on,
         # when one ends and which token it keeps, so a beam never stops by itself.
-        beam_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens + 1,
-                                     ignore_eos=True)
+        beam_params = SamplingParams(
+            temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True
+        )
         eos = None if params.ignore_eos else self.eos_token_id
 
         def make_request(rid: str, output_token_ids: list[int]) -> Request:
-            r = Request(rid, prompt_token_ids, beam_params, params.max_tokens + 1,
-                        self.eos_token_id, priority, arrival_time, cache_salt)
+            r = Request(
+                rid,
+                prompt_token_ids,
+                beam_params,
+                params.max_tokens + 1,
+                self.eos_token_id,
+                priority,
+                arrival_time,
+                cache_salt,
+            )
             r.append_output_token_ids(output_token_ids)
             return r
 
@@ -227,8 +265,9 @@ class EngineCore:
                 done.append(group)
         return done
 
-    def finish_requests(self, request_ids: list[str],
-                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         """End requests (abort, or a stop string the output processor matched)
         and free their blocks; unknown ids are ignored."""
         self.scheduler.finish_requests(request_ids, status)
@@ -243,24 +282,15 @@ class EngineCore:
 
     def pending_grammars(self) -> list[Future]:
         """Compile futures of waiting requests whose grammar is not ready yet."""
-        return [r.structured_output_request.grammar_future for r in self.scheduler.waiting
-                if r.structured_output_request is not None
-                and not r.structured_output_request.is_ready()]
+        return [
+            r.structured_output_request.grammar_future
+            for r in self.scheduler.waiting
+            if r.structured_output_request is not None
+            and not r.structured_output_request.is_ready()
+        ]
 
     def _sampling_metadata(self, request: Request) -> SamplingMetadata:
-        params = request.sampling_params
-        stop_ids = list(params.stop_token_ids)
-        if not params.ignore_eos and self.eos_token_id is not None:
-            stop_ids.append(self.eos_token_id)
-        return SamplingMetadata(
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            min_p=params.min_p,
-            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty, seed=request.seed,
-            logprobs=-1 if params.logprobs is None else params.logprobs,
-            min_tokens=params.min_tokens,
-            stop_token_ids=stop_ids,
-            logit_bias=[(int(t), float(b)) for t, b in params.logit_bias.items()])
+        return sampling_metadata(request, self.eos_token_id)
 
     # -- steps ------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -291,37 +321,46 @@ class EngineCore:
         ``grammar_bitmask`` rows (none at all when no such request runs)."""
         scheduler_output = self.scheduler.schedule()
         ids, constrained = [], []
-        for request, num_new in zip(self.scheduler.scheduled_requests,
-                                    scheduler_output.num_scheduled_tokens):
-            if (request.structured_output_request is not None
-                    and request.num_computed_tokens + num_new >= request.num_tokens):
+        for request, num_new in zip(
+            self.scheduler.scheduled_requests, scheduler_output.num_scheduled_tokens
+        ):
+            if (
+                request.structured_output_request is not None
+                and request.num_computed_tokens + num_new >= request.num_tokens
+            ):
                 ids.append(request.request_id)
                 constrained.append(request.structured_output_request)
         if constrained:
             scheduler_output.structured_output_request_ids = ids
             scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-                constrained).tobytes()
+                constrained
+            ).tobytes()
         return scheduler_output
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput,
-                           scheduled_time: float = 0.0) -> EngineCoreOutputs:
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        scheduled_time: float = 0.0,
+    ) -> EngineCoreOutputs:
         """Apply one step's sampled tokens: advance the requests, feed the
         grammars, finish what reached EOS, a stop token, a grammar's end,
         ``max_tokens`` or the context length."""
         self.last_forward_time = runner_output.forward_time + runner_output.sample_time
         outputs: dict[str, EngineCoreOutput] = {}
         beam_groups: dict[str, BeamSearchGroup] = {}
-        for request, token, logprobs in self.scheduler.update_from_output(scheduler_output,
-                                                                           runner_output):
+        for request, token, logprobs in self.scheduler.update_from_output(
+            scheduler_output, runner_output
+        ):
             group = self._beam_of.get(request.request_id)
             if group is not None:
                 if token is not None:
                     group.accept(request, logprobs, self.block_size)
                     beam_groups[group.request_id] = group
                 continue
-            output = outputs.setdefault(request.request_id,
-                                        EngineCoreOutput(request.request_id, []))
+            output = outputs.setdefault(
+                request.request_id, EngineCoreOutput(request.request_id, [])
+            )
             output.num_cached_tokens = request.num_cached_tokens
             if token is None:
                 continue
@@ -336,7 +375,8 @@ class EngineCore:
             list(outputs.values()),
             [new_request.req_id for new_request in scheduler_output.scheduled_new_reqs],
             scheduled_time,
-            finished_beam_searches=self._step_beam_searches(beam_groups) if beam_groups else [])
+            finished_beam_searches=self._step_beam_searches(beam_groups) if beam_groups else [],
+        )
 
     def _accept_structured(self, request: Request, token: int) -> None:
         """Advance a constrained request's matcher; a token its mask did not
@@ -357,20 +397,28 @@ class EngineCore:
         kv_cache = self.kv_cache_manager
         pool = kv_cache.block_pool
         return EngineStats(
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_kv_blocks_total=pool.num_blocks, num_kv_blocks_used=pool.num_used_blocks,
-            kv_cache_usage=pool.usage, prefix_cache_queries=kv_cache.prefix_cache_queries,
-            prefix_cache_hits=kv_cache.prefix_cache_hits, num_preemptions=counters.num_preemptions,
-            num_steps=counters.num_steps, num_multi_request_steps=counters.num_multi_request_steps,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_total=pool.num_blocks,
+            num_kv_blocks_used=pool.num_used_blocks,
+            kv_cache_usage=pool.usage,
+            prefix_cache_queries=kv_cache.prefix_cache_queries,
+            prefix_cache_hits=kv_cache.prefix_cache_hits,
+            num_preemptions=counters.num_preemptions,
+            num_steps=counters.num_steps,
+            num_multi_request_steps=counters.num_multi_request_steps,
             max_reqs_in_step=counters.max_reqs_in_step,
             num_reqs_last_step=counters.num_scheduled_reqs_last_step,
             num_tokens_last_step=counters.num_scheduled_tokens_last_step,
             num_prompt_tokens=counters.num_prompt_tokens,
             num_generation_tokens=counters.num_generation_tokens,
-            last_step_time=self.last_step_time, last_forward_time=self.last_forward_time,
-            num_kv_blocks_shared=pool.num_shared_blocks, num_cow_copies=kv_cache.num_cow_copies,
+            last_step_time=self.last_step_time,
+            last_forward_time=self.last_forward_time,
+            num_kv_blocks_shared=pool.num_shared_blocks,
+            num_cow_copies=kv_cache.num_cow_copies,
             **self._spec_stats(),
-            block_usage_map=self.block_usage_map() if include_block_map else [])
+            block_usage_map=self.block_usage_map() if include_block_map else [],
+        )
 
     def _spec_stats(self) -> dict:
         """Speculative decoding's ``EngineStats`` fields (vLLM's spec_decode)."""
@@ -378,20 +426,50 @@ class EngineCore:
         if spec is None:
             return {}
         s = spec.stats
-        return dict(spec_decode_num_drafts=s.num_drafts,
-                    spec_decode_num_draft_tokens=s.num_draft_tokens,
-                    spec_decode_num_accepted_tokens=s.num_accepted_tokens,
-                    spec_decode_acceptance_rate=s.acceptance_rate,
-                    spec_decode_mean_acceptance_length=s.mean_acceptance_length,
-                    spec_decode_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos))
+        return dict(
+            spec_decode_num_drafts=s.num_drafts,
+            spec_decode_num_draft_tokens=s.num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.num_accepted_tokens,
+            spec_decode_acceptance_rate=s.acceptance_rate,
+            spec_decode_mean_acceptance_length=s.mean_acceptance_length,
+            spec_decode_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos),
+        )
 
     def block_usage_map(self) -> list[int]:
         """Per block: 0 free, 1 free but holding a cached prefix, 2 in use."""
-        return [2 if b.ref_cnt else (1 if b.block_hash is not None else 0)
-                for b in self.kv_cache_manager.block_pool.blocks]
+        return [
+            2 if b.ref_cnt else (1 if b.block_hash is not None else 0)
+            for b in self.kv_cache_manager.block_pool.blocks
+        ]
+
+
+def sampling_metadata(request: Request, eos_token_id: int | None) -> SamplingMetadata:
+    """The worker-side sampling settings of ``request`` (EOS joins the stop ids
+    unless ``ignore_eos``)."""
+    params = request.sampling_params
+    stop_ids = list(params.stop_token_ids)
+    if not params.ignore_eos and eos_token_id is not None:
+        stop_ids.append(eos_token_id)
+    return SamplingMetadata(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        seed=request.seed,
+        logprobs=-1 if params.logprobs is None else params.logprobs,
+        min_tokens=params.min_tokens,
+        stop_token_ids=stop_ids,
+        logit_bias=[(int(t), float(b)) for t, b in params.logit_bias.items()],
+    )
 
 
 def _is_idle(scheduler_output: SchedulerOutput) -> bool:
     """Nothing to run and nothing for the worker to forget or drop."""
-    return (scheduler_output.num_reqs == 0 and not scheduler_output.finished_req_ids
-            and not scheduler_output.preempted_req_ids)
+    return (
+        scheduler_output.num_reqs == 0
+        and not scheduler_output.finished_req_ids
+        and not scheduler_output.preempted_req_ids
+    )

@@ -29,9 +29,14 @@ class IncrementalDetokenizer:
             added (as vLLM's ``min_tokens``); a match must end after them.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str],
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop
@@ -62,7 +67,7 @@ class IncrementalDetokenizer:
         if best is None:
             return False
         idx, s = best
-        self.text = self.text[:idx + len(s)] if self.include_stop else self.text[:idx]
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
         self.stop_reason = s
         return True
 
@@ -82,6 +87,6 @@ class IncrementalDetokenizer:
         end = len(self.text) if finished else len(self.text) - self._holdback()
         if end <= self._emitted:
             return ""
-        delta = self.text[self._emitted:end]
+        delta = self.text[self._emitted : end]
         self._emitted = end
         return delta

@@ -4,5 +4,10 @@ from aioengine.errors import WorkerDiedError
 from aioengine.executor import Executor, make_executor, make_standby_executor
 from aioengine.executor.inproc import InprocExecutor
 
-__all__ = ["Executor", "InprocExecutor", "WorkerDiedError", "make_executor",
-           "make_standby_executor"]
+__all__ = [
+    "Executor",
+    "InprocExecutor",
+    "WorkerDiedError",
+    "make_executor",
+    "make_standby_executor",
+]

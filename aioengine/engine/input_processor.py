@@ -47,8 +47,9 @@ class InputProcessor:
         num_blocks: KV blocks in the whole cache (from the worker handshake).
     """
 
-    def __init__(self, tokenizer: Any, max_model_len: int, block_size: int,
-                 num_blocks: int) -> None:
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, block_size: int, num_blocks: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -58,8 +59,12 @@ class InputProcessor:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         """Token ids of a conversation under the model's own chat template
         (``tools``: OpenAI tool entries, for a template that renders them).
 
@@ -67,7 +72,8 @@ class InputProcessor:
             Exception: whatever the template raises (jinja2 ``TemplateError``...).
         """
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools)
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
+        )
         return self.tokenize(text, add_special_tokens=False)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -87,30 +93,50 @@ class InputProcessor:
         if num_prompt_tokens >= self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {num_prompt_tokens} tokens, leaving no room to generate", "prompt")
-        max_tokens = (params.max_tokens if params.max_tokens is not None
-                      else self.max_model_len - num_prompt_tokens)
+                f"prompt has {num_prompt_tokens} tokens, leaving no room to generate",
+                "prompt",
+            )
+        max_tokens = (
+            params.max_tokens
+            if params.max_tokens is not None
+            else self.max_model_len - num_prompt_tokens
+        )
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds it",
-                "max_tokens")
+                "max_tokens",
+            )
         if cdiv(num_prompt_tokens + max_tokens, self.block_size) > self.num_blocks:
             raise RequestRejected(
                 f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
                 f"more KV blocks than the whole cache holds ({self.num_blocks} blocks of "
-                f"{self.block_size} tokens)", "max_tokens")
+                f"{self.block_size} tokens)",
+                "max_tokens",
+            )
         if any(t >= self._vocab_size for t in params.logit_bias):
-            raise SamplingParamError("logit_bias",
-                                     "logit_bias names a token id outside the vocabulary")
+            raise SamplingParamError(
+                "logit_bias", "logit_bias names a token id outside the vocabulary"
+            )
         return max_tokens
 
-    def process_inputs(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0,
-                       cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> EngineCoreRequest:
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
         """A validated ``EngineCoreRequest`` (see ``validate`` for the errors)."""
         max_tokens = self.validate(prompt_token_ids, params)
         return EngineCoreRequest(
-            request_id, list(prompt_token_ids), params, max_tokens, priority, cache_salt,
-            time.monotonic() if arrival_time is None else arrival_time)
+            request_id,
+            list(prompt_token_ids),
+            params,
+            max_tokens,
+            priority,
+            cache_salt,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )

@@ -1,8 +1,8 @@
 """The offline API, written the way vLLM users write it::
 
-    from aioengine import LLM, SamplingParams
-    llm = LLM(model="path/to/model.gguf")
-    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=256))
+from aioengine import LLM, SamplingParams
+llm = LLM(model="path/to/model.gguf")
+outputs = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=256))
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ class LLM:
         self.engine = LLMEngine(self.config, self.tokenizer, self.executor)
         self._counter = 0
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         Args:
@@ -60,14 +63,16 @@ class LLM:
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
-        params_list = (list(params) if isinstance(params, Sequence)
-                       else [params] * len(prompt_list))
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompt_list)
         if len(params_list) != len(prompt_list):
             raise ValueError("need one SamplingParams per prompt")
         ids = []
         for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
-            token_ids = (self.engine.input_processor.tokenize(prompt) if isinstance(prompt, str)
-                         else [int(t) for t in prompt])
+            token_ids = (
+                self.engine.input_processor.tokenize(prompt)
+                if isinstance(prompt, str)
+                else [int(t) for t in prompt]
+            )
             request_id = str(self._counter)
             self._counter += 1
             self.add_request(request_id, token_ids, p, priority=priority[i] if priority else 0)
@@ -75,8 +80,14 @@ class LLM:
         final = self.run_until_finished(use_tqdm)
         return [final[i] for i in ids]
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         """Queue one request for the next ``run_until_finished``.
 
         Raises:
@@ -87,23 +98,30 @@ class LLM:
         """
         if params.structured_outputs is not None:
             self.engine.structured_output_manager.compile_sync(params.structured_outputs)
-        self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                cache_salt=cache_salt)
+        self.engine.add_request(
+            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
+        )
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True
-             ) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate."""
-        convs: list[list[dict[str, str]]] = (
-            [messages] if messages and isinstance(messages[0], dict)
-            else messages)  # type: ignore[assignment]
-        token_ids: list[str | list[int]] = [self.engine.input_processor.render_chat(c)
-                                            for c in convs]
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_ids: list[str | list[int]] = [
+            self.engine.input_processor.render_chat(c)  # type: ignore[arg-type]
+            for c in convs
+        ]
         return self.generate(token_ids, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
-                    params: BeamSearchParams, use_tqdm: bool = False
-                    ) -> list[BeamSearchOutput]:
+    def beam_search(
+        self,
+        prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
         """Beam search for every prompt, as vLLM's ``LLM.beam_search``; the prompts run
         together, each one's beams sharing KV blocks copy-on-write.
 
@@ -129,8 +147,11 @@ class LLM:
         for prompt in prompt_list:
             if isinstance(prompt, dict):
                 prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
-            token_ids = (self.engine.input_processor.tokenize(prompt) if isinstance(prompt, str)
-                         else [int(t) for t in prompt])
+            token_ids = (
+                self.engine.input_processor.tokenize(prompt)
+                if isinstance(prompt, str)
+                else [int(t) for t in prompt]
+            )
             request_id = str(self._counter)
             self._counter += 1
             self.engine.add_beam_search_request(request_id, token_ids, params)
@@ -139,9 +160,19 @@ class LLM:
         results = []
         for rid in ids:
             out = final[rid]
-            results.append(BeamSearchOutput([BeamSearchSequence(
-                tokens=out.prompt_token_ids + c.token_ids, cum_logprob=c.cumulative_logprob or 0.0,
-                text=c.text, finish_reason=c.finish_reason) for c in out.outputs]))
+            results.append(
+                BeamSearchOutput(
+                    [
+                        BeamSearchSequence(
+                            tokens=out.prompt_token_ids + c.token_ids,
+                            cum_logprob=c.cumulative_logprob or 0.0,
+                            text=c.text,
+                            finish_reason=c.finish_reason,
+                        )
+                        for c in out.outputs
+                    ]
+                )
+            )
         return results
 
     def run_until_finished(self, use_tqdm: bool = False) -> dict[str, RequestOutput]:
@@ -149,8 +180,9 @@ class LLM:
         ``RequestOutput`` of each, by request id, with all its samples."""
         final: dict[str, RequestOutput] = {}
         samples: dict[str, dict[int, CompletionOutput]] = {}
-        bar = tqdm(total=len(self.engine.output_processor.parents), desc="generate",
-                   disable=not use_tqdm)
+        bar = tqdm(
+            total=len(self.engine.output_processor.parents), desc="generate", disable=not use_tqdm
+        )
         while self.engine.has_unfinished_requests():
             for out in self.engine.step().request_outputs:
                 by_index = samples.setdefault(out.request_id, {})

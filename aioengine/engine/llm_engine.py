@@ -56,16 +56,24 @@ class LLMEngine:
         structured_output_manager: grammar compile cache to use; a new one when None.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer: Any, executor: Executor,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        executor: Executor,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(
-            tokenizer, len(tokenizer), tokenizer.eos_token_id)
-        self.input_processor = InputProcessor(tokenizer, executor.max_model_len,
-                                              config.cache.block_size, executor.num_blocks)
-        self.core = EngineCore(config, executor, self.structured_output_manager,
-                               tokenizer.eos_token_id)
+            tokenizer, len(tokenizer), tokenizer.eos_token_id
+        )
+        self.input_processor = InputProcessor(
+            tokenizer, executor.max_model_len, config.cache.block_size, executor.num_blocks
+        )
+        self.core = EngineCore(
+            config, executor, self.structured_output_manager, tokenizer.eos_token_id
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.num_beam_searches_finished = 0
 
@@ -82,9 +90,15 @@ class LLMEngine:
         return self.core.kv_cache_manager
 
     # -- requests ---------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request (``n`` children when ``params.n > 1``).
 
         Raises:
@@ -94,16 +108,22 @@ class LLMEngine:
         """
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.input_processor.process_inputs(request_id, prompt_token_ids, params,
-                                                      priority, cache_salt, arrival_time)
+        request = self.input_processor.process_inputs(
+            request_id, prompt_token_ids, params, priority, cache_salt, arrival_time
+        )
         parent = ParentRequest(request)
         self.core.add_requests(parent.child_requests)
         self.output_processor.add_request(parent)
 
-    def add_beam_search_request(self, request_id: str, prompt_token_ids: list[int],
-                                params: BeamSearchParams, priority: int = 0,
-                                cache_salt: str | None = None,
-                                arrival_time: float | None = None) -> None:
+    def add_beam_search_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a beam search (``beam_search.BeamSearchGroup``, beams sharing KV
         blocks copy-on-write). Its one ``RequestOutput`` comes when the search is
         done: ``params.beam_width`` completions, best first, each with its
@@ -114,25 +134,41 @@ class LLMEngine:
             RequestRejected: the prompt can never run (see ``InputProcessor.validate``).
             SchedulerQueueFull: the waiting queue is full.
         """
-        if self.output_processor.has_request(request_id) or request_id in \
-                self.core.beam_searches:
+        if self.output_processor.has_request(request_id) or request_id in self.core.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.input_processor.validate(prompt_token_ids,
-                                      SamplingParams(max_tokens=params.max_tokens))
-        self.core.add_beam_search(request_id, prompt_token_ids, params, priority, cache_salt,
-                                  time.monotonic() if arrival_time is None else arrival_time)
+        self.input_processor.validate(
+            prompt_token_ids, SamplingParams(max_tokens=params.max_tokens)
+        )
+        self.core.add_beam_search(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority,
+            cache_salt,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
 
     def _beam_search_output(self, group: BeamSearchGroup) -> RequestOutput:
         completions = []
         for i, beam in enumerate(group.finished):
             text_tokens = beam.tokens[:-1] if beam.finish_reason == "stop" else beam.tokens
-            completions.append(CompletionOutput(
-                index=i, text=self.tokenizer.decode(text_tokens, skip_special_tokens=True),
-                token_ids=list(beam.tokens), finish_reason=beam.finish_reason,
-                cumulative_logprob=beam.cum_logprob))
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=self.tokenizer.decode(text_tokens, skip_special_tokens=True),
+                    token_ids=list(beam.tokens),
+                    finish_reason=beam.finish_reason,
+                    cumulative_logprob=beam.cum_logprob,
+                )
+            )
         self.num_beam_searches_finished += 1
-        return RequestOutput(group.request_id, group.prompt_token_ids, completions, True,
-                             max(group.num_cached_tokens, 0))
+        return RequestOutput(
+            group.request_id,
+            group.prompt_token_ids,
+            completions,
+            True,
+            max(group.num_cached_tokens, 0),
+        )
 
     def abort_request(self, request_id: str) -> bool:
         """End a request and free its blocks. Returns False if it is unknown."""
@@ -149,9 +185,15 @@ class LLMEngine:
         outputs, child_ids = self.output_processor.fail_all(message)
         for request_id, group in list(self.core.beam_searches.items()):
             self.core.abort_beam_search(request_id)
-            outputs.append(RequestOutput(request_id, group.prompt_token_ids,
-                                         [CompletionOutput(0, finish_reason="abort")], True,
-                                         error=message))
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    group.prompt_token_ids,
+                    [CompletionOutput(0, finish_reason="abort")],
+                    True,
+                    error=message,
+                )
+            )
         self.core.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         return outputs
 
@@ -179,8 +221,9 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         return self.core.schedule()
 
-    def process_output(self, scheduler_output: SchedulerOutput,
-                       runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+    def process_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
         """Apply an executed ``schedule()``; the ``RequestOutput``s of the step."""
         core_outputs = self.core.update_from_output(scheduler_output, runner_output)
         return self._process(core_outputs).request_outputs
@@ -188,15 +231,22 @@ class LLMEngine:
     def _process(self, core_outputs: EngineCoreOutputs) -> EngineStep:
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.request_ids_to_finish:
-            self.core.finish_requests(processed.request_ids_to_finish,
-                                      RequestStatus.FINISHED_STOPPED)
-        processed.request_outputs += [self._beam_search_output(group)
-                                      for group in core_outputs.finished_beam_searches]
-        return EngineStep(processed.request_outputs, core_outputs.scheduled_new_request_ids,
-                          core_outputs.scheduled_time, core_outputs.executed)
+            self.core.finish_requests(
+                processed.request_ids_to_finish, RequestStatus.FINISHED_STOPPED
+            )
+        processed.request_outputs += [
+            self._beam_search_output(group) for group in core_outputs.finished_beam_searches
+        ]
+        return EngineStep(
+            processed.request_outputs,
+            core_outputs.scheduled_new_request_ids,
+            core_outputs.scheduled_time,
+            core_outputs.executed,
+        )
 
     def stats(self, include_block_map: bool = False) -> EngineStats:
         stats = self.core.stats(include_block_map)
-        stats.num_requests_finished = (self.output_processor.num_requests_finished
-                                       + self.num_beam_searches_finished)
+        stats.num_requests_finished = (
+            self.output_processor.num_requests_finished + self.num_beam_searches_finished
+        )
         return stats

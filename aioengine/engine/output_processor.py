@@ -68,9 +68,17 @@ class OutputProcessor:
         self.parents[parent.request_id] = parent
         params = parent.params
         for index, child in enumerate(parent.child_requests):
-            self._samples[child.request_id] = _SampleState(parent, index, IncrementalDetokenizer(
-                self._backend_tokenizer, params.stop, params.include_stop_str_in_output,
-                params.skip_special_tokens, min_tokens=params.min_tokens))
+            self._samples[child.request_id] = _SampleState(
+                parent,
+                index,
+                IncrementalDetokenizer(
+                    self._backend_tokenizer,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                    min_tokens=params.min_tokens,
+                ),
+            )
 
     def abort_request(self, request_id: str) -> list[str] | None:
         """Forget a parent request; returns its child ids (to abort in the core),
@@ -119,8 +127,9 @@ class OutputProcessor:
             completion.delta_token_ids.append(token)
             completion.token_ids.append(token)
             if core_output.new_logprobs is not None:
-                completion.logprobs = ((completion.logprobs or [])
-                                       + [dict(core_output.new_logprobs[k])])
+                completion.logprobs = (completion.logprobs or []) + [
+                    dict(core_output.new_logprobs[k])
+                ]
             finished = stopped or (k == last and core_output.finish_reason is not None)
             delta = detokenizer.get_delta(finished)
             completion.delta_text += delta
@@ -129,8 +138,9 @@ class OutputProcessor:
                 # A stop string completed by the token that also reached
                 # max_tokens is a stop, as vLLM reports it.
                 completion.finish_reason = "stop" if stopped else core_output.finish_reason
-                completion.stop_reason = (detokenizer.stop_reason if stopped
-                                          else core_output.stop_reason)
+                completion.stop_reason = (
+                    detokenizer.stop_reason if stopped else core_output.stop_reason
+                )
                 break
         return stopped and core_output.finish_reason is None
 

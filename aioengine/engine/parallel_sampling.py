@@ -43,9 +43,12 @@ class ParentRequest:
         self.num_cached_tokens = -1
         self.child_requests = [
             dataclasses.replace(
-                request, request_id=child_request_id(request.request_id, i, self.n),
-                seed=None if self.params.seed is None else self.params.seed + i)
-            for i in range(self.n)]
+                request,
+                request_id=child_request_id(request.request_id, i, self.n),
+                seed=None if self.params.seed is None else self.params.seed + i,
+            )
+            for i in range(self.n)
+        ]
 
     @property
     def child_request_ids(self) -> list[str]:
@@ -55,18 +58,26 @@ class ParentRequest:
     def finished(self) -> bool:
         return all(c.finished for c in self.completions)
 
-    def make_request_output(self, indices: list[int], error: str | None = None
-                            ) -> RequestOutput:
+    def make_request_output(self, indices: list[int], error: str | None = None) -> RequestOutput:
         """The ``RequestOutput`` of this step: snapshots of the samples ``indices``."""
         return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
             outputs=[_snapshot(self.completions[i]) for i in indices],
-            finished=self.finished, num_cached_tokens=max(self.num_cached_tokens, 0),
-            error=error)
+            finished=self.finished,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            error=error,
+        )
 
 
 def _snapshot(c: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(c.index, c.text, list(c.token_ids), c.delta_text,
-                            list(c.delta_token_ids),
-                            list(c.logprobs) if c.logprobs is not None else None,
-                            c.finish_reason, c.stop_reason)
+    return CompletionOutput(
+        c.index,
+        c.text,
+        list(c.token_ids),
+        c.delta_text,
+        list(c.delta_token_ids),
+        list(c.logprobs) if c.logprobs is not None else None,
+        c.finish_reason,
+        c.stop_reason,
+    )

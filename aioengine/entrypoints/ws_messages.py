@@ -86,8 +86,7 @@ def encode(message: ServerMessage) -> str:
 def encode_stats(time_s: float, stats: EngineStats) -> str:
     """The ``stats`` message: ``EngineStats``' fields flattened beside ``time``
     (Unix seconds)."""
-    return _encoder.encode({"type": "stats", "time": time_s, **dataclasses.asdict(stats)}
-                           ).decode()
+    return _encoder.encode({"type": "stats", "time": time_s, **dataclasses.asdict(stats)}).decode()
 
 
 def decode(text: str | bytes) -> ServerMessage:

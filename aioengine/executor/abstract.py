@@ -50,8 +50,7 @@ class Executor(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def execute_model_async(self, scheduler_output: SchedulerOutput
-                                  ) -> ModelRunnerOutput:
+    async def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step without blocking the event loop.
 
         Raises:

@@ -33,8 +33,7 @@ class InprocExecutor(Executor):
             raise WorkerDiedError("the in-process executor is shut down")
         return self.runner.execute_model(scheduler_output)
 
-    async def execute_model_async(self, scheduler_output: SchedulerOutput
-                                  ) -> ModelRunnerOutput:
+    async def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
             return await asyncio.to_thread(self.execute_model, scheduler_output)
         except WorkerDiedError:

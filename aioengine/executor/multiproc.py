@@ -48,7 +48,7 @@ from aioengine.ipc.messages import (
 from aioengine.ipc.shm_ring import ShmRing
 from aioengine.models.arch import check_parallel_config
 
-RING_CAPACITY = 16 << 20   # bytes per direction; one step message is far smaller
+RING_CAPACITY = 16 << 20  # bytes per direction; one step message is far smaller
 HANDSHAKE_RING_CAPACITY = 1 << 20  # ranks > 0 send only their handshake (or a traceback)
 STARTUP_TIMEOUT_S = 600.0
 ERROR_GRACE_S = 3.0  # after one rank fails at start, how long to collect the others' errors
@@ -106,14 +106,17 @@ class MultiprocExecutor(Executor):
             the message carries the tracebacks of the ranks that failed.
     """
 
-    def __init__(self, config: EngineConfig, *, standby: bool = False,
-                 allow_kernel_build: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, *, standby: bool = False, allow_kernel_build: bool = True
+    ) -> None:
         check_parallel_config(config)
         self.config = config
         self.tp_size = tp_size = config.parallel.tensor_parallel_size
         self.rings_in = [ShmRing.create(RING_CAPACITY, role="producer") for _ in range(tp_size)]
-        self.rings_out = [ShmRing.create(RING_CAPACITY if rank == 0 else HANDSHAKE_RING_CAPACITY,
-                                         role="consumer") for rank in range(tp_size)]
+        self.rings_out = [
+            ShmRing.create(RING_CAPACITY if rank == 0 else HANDSHAKE_RING_CAPACITY, role="consumer")
+            for rank in range(tp_size)
+        ]
         self.ring_in, self.ring_out = self.rings_in[0], self.rings_out[0]
         self._epoll: select.epoll | None = None
         ctx = multiprocessing.get_context("spawn")
@@ -123,12 +126,22 @@ class MultiprocExecutor(Executor):
 
             dist = (f"tcp://127.0.0.1:{get_open_port()}", tp_size, _threads_per_rank(config))
         self.processes = [
-            ctx.Process(target=run_worker, name=f"aioengine-worker-{rank}", daemon=True,
-                        args=(config, self.rings_in[rank].handle(),
-                              self.rings_out[rank].handle(), os.getpid(),
-                              None if dist is None else (rank, *dist), standby,
-                              allow_kernel_build))
-            for rank in range(tp_size)]
+            ctx.Process(
+                target=run_worker,
+                name=f"aioengine-worker-{rank}",
+                daemon=True,
+                args=(
+                    config,
+                    self.rings_in[rank].handle(),
+                    self.rings_out[rank].handle(),
+                    os.getpid(),
+                    None if dist is None else (rank, *dist),
+                    standby,
+                    allow_kernel_build,
+                ),
+            )
+            for rank in range(tp_size)
+        ]
         self.process = self.processes[0]
         self.standby = standby
         self._t0 = time.perf_counter()
@@ -172,8 +185,9 @@ class MultiprocExecutor(Executor):
         ready = readies[0]
         if any(r.num_blocks != ready.num_blocks for r in readies):
             self.shutdown()
-            raise WorkerDiedError(f"ranks disagree on num_blocks: "
-                                  f"{[r.num_blocks for r in readies]}")
+            raise WorkerDiedError(
+                f"ranks disagree on num_blocks: {[r.num_blocks for r in readies]}"
+            )
         self.num_blocks = ready.num_blocks
         self.max_model_len = ready.max_model_len
         self.weight_bytes = ready.weight_bytes
@@ -214,8 +228,9 @@ class MultiprocExecutor(Executor):
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         if errors or len(readies) < self.tp_size:
             detail = "\n".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items()))
-            raise WorkerDiedError(f"tensor-parallel workers did not start:\n"
-                                  f"{detail or 'timed out'}")
+            raise WorkerDiedError(
+                f"tensor-parallel workers did not start:\n{detail or 'timed out'}"
+            )
         return [readies[rank] for rank in range(self.tp_size)]
 
     @property

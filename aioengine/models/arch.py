@@ -14,12 +14,15 @@ from typing import Any
 from aioengine.config import EngineConfig
 from aioengine.models import registry
 
-__all__ = ["ModelArch", "check_parallel_config", "check_tensor_parallel_size"]
+__all__ = ["ModelShapes", "check_parallel_config", "check_tensor_parallel_size"]
 
 
 @dataclass(frozen=True)
-class ModelArch:
-    """The shapes of a decoder-only transformer, as its HF ``config.json`` names them.
+class ModelShapes:
+    """The shapes of a decoder-only transformer, as its HF ``config.json`` names them:
+    what the engine process needs to check a parallel layout. The worker's
+    ``aioengine.models.decoder.ModelArch`` reads the whole architecture (RoPE
+    tables, per-family twists) and needs torch.
 
     Every family of ``registry`` splits the same way under tensor parallelism (heads,
     MLP rows, vocabulary): Qwen3's and Gemma 3's per-head Q/K norms and Gemma's extra
@@ -48,7 +51,7 @@ class ModelArch:
     tie_word_embeddings: bool
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> ModelArch:
+    def from_hf_config(cls, config: Any) -> ModelShapes:
         """Read the shapes from a ``PretrainedConfig`` or anything with its fields.
 
         Raises:
@@ -61,8 +64,10 @@ class ModelArch:
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
-                             f"num_key_value_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {num_heads} is not a multiple of "
+                f"num_key_value_heads {num_kv_heads}"
+            )
         return cls(
             model_type=getattr(config, "model_type", ""),
             family=family.name,
@@ -78,8 +83,9 @@ class ModelArch:
         )
 
 
-def check_tensor_parallel_size(tp_size: int, num_heads: int, num_kv_heads: int,
-                               intermediate_size: int) -> None:
+def check_tensor_parallel_size(
+    tp_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int
+) -> None:
     """Refuse a ``tp_size`` the heads or the MLP cannot be split over evenly
     (Megatron-LM column/row split: Shoeybi et al. 2019, §3).
 
@@ -93,17 +99,24 @@ def check_tensor_parallel_size(tp_size: int, num_heads: int, num_kv_heads: int,
     if tp_size == 1:
         return
     if num_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
-                         f"{num_heads} attention heads")
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} does not divide the model's "
+            f"{num_heads} attention heads"
+        )
     if num_kv_heads >= tp_size and num_kv_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
-                         f"{num_kv_heads} KV heads")
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} does not divide the model's {num_kv_heads} KV heads"
+        )
     if num_kv_heads < tp_size and tp_size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {tp_size} is not a multiple of the model's "
-                         f"{num_kv_heads} KV heads (needed to replicate KV heads evenly)")
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} is not a multiple of the model's "
+            f"{num_kv_heads} KV heads (needed to replicate KV heads evenly)"
+        )
     if intermediate_size % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
-                         f"intermediate_size {intermediate_size}")
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} does not divide the model's "
+            f"intermediate_size {intermediate_size}"
+        )
 
 
 def check_parallel_config(config: EngineConfig) -> None:
@@ -118,6 +131,5 @@ def check_parallel_config(config: EngineConfig) -> None:
         return
     from aioengine.models.loader import load_hf_config  # metadata only, no torch
 
-    arch = ModelArch.from_hf_config(load_hf_config(config.model.model_path))
-    check_tensor_parallel_size(tp_size, arch.num_heads, arch.num_kv_heads,
-                               arch.intermediate_size)
+    arch = ModelShapes.from_hf_config(load_hf_config(config.model.model_path))
+    check_tensor_parallel_size(tp_size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)

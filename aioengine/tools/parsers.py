@@ -167,6 +167,8 @@ class Llama3JsonToolParser(ToolParser):
         body = text.lstrip()
         if body.startswith(self.PYTHON_TAG):
             body = body[len(self.PYTHON_TAG):].lstrip()
+            if not body and not final:
+                return ParseResult(0)  # the tag alone: the call has not begun yet
         elif not body or self.PYTHON_TAG.startswith(body):
             return ParseResult(len(text) if final else 0)
         if not body.startswith("{"):

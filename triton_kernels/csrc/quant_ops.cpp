@@ -9,6 +9,8 @@
 
 #include "quant_ops.h"
 
+#include "simd.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -389,35 +391,7 @@ void q6_k(const uint8_t* b, int64_t cols, float* y) {
   }
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-template <int M, int R>
-void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
-                int64_t ldy) {
-  __m256 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * ldw + k);
-    for (int m = 0; m < M; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
-      float s = hsum(acc[m][r]);
-      for (int64_t t = k; t < K; ++t) s += x[m * ldx + t] * w[r * ldw + t];
-      y[m * ldy + r] = s;
-    }
-}
+using simd::avx2::micro_tile;  // simd.h, shared with linear.cpp
 
 }  // namespace avx2
 #endif
@@ -575,33 +549,7 @@ void q6_k(const uint8_t* b, int64_t cols, float* y) {
   }
 }
 
-template <int M, int R>
-void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
-                int64_t ldy) {
-  __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + r * ldw + k);
-    for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
-  }
-  if (k < K) {  // F16/BF16 rows may end mid-vector
-    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(tail, w + r * ldw + k);
-    for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
-}
+using simd::avx512::micro_tile;  // simd.h, shared with linear.cpp
 
 
 // -- fused GEMV for the 32-value formats: blocks decoded in registers, never stored --------

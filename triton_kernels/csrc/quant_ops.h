@@ -50,7 +50,7 @@ struct QuantLinear {
   std::vector<at::Tensor> tensors;
   int64_t rows = 0, cols = 0;
 
-  // The weight is one dense fp32 part (the fp32 kernels of cpu_ops.cpp take it).
+  // The weight is one dense fp32 part (the fp32 kernels of linear.cpp take it).
   bool dense() const { return parts.size() == 1 && parts[0].qtype == kF32; }
 };
 
@@ -75,7 +75,7 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
 bool set_q8_activations(bool on);
 bool q8_activations();
 
-// Tensor entry points (bound in cpu_ops.cpp); `isa` as in resolve_isa.
+// Tensor entry points (bound in bindings.cpp); `isa` as in resolve_isa.
 at::Tensor quant_dequantize(at::Tensor data, int64_t qtype, int64_t cols, int64_t isa);
 at::Tensor quant_linear(at::Tensor x, std::vector<at::Tensor> parts,
                         std::vector<int64_t> qtypes, int64_t cols,

@@ -82,8 +82,11 @@ DEFAULT_MAX_WS_REQUESTS = 16
 # The chat page: web/ of the repository (a checkout or an editable install),
 # else the copy a wheel installs as aioengine/web (pyproject's package-dir).
 _REPO_WEB_DIR = Path(__file__).resolve().parents[3] / "web"
-DEFAULT_WEB_DIR = (_REPO_WEB_DIR if (_REPO_WEB_DIR / "index.html").is_file()
-                   else Path(__file__).resolve().parents[2] / "web")
+DEFAULT_WEB_DIR = (
+    _REPO_WEB_DIR
+    if (_REPO_WEB_DIR / "index.html").is_file()
+    else Path(__file__).resolve().parents[2] / "web"
+)
 
 
 def _serving(request: Request) -> OpenAIServing:
@@ -96,12 +99,22 @@ def _serving(request: Request) -> OpenAIServing:
 async def list_models(request: Request) -> Response:
     serving = _serving(request)
     info = serving.engine.model_info
-    quantization = None if info is None else ModelQuantization(
-        method=info.quantization, weight_formats=info.weight_formats)
-    body = ModelList(data=[ModelCard(id=serving.model_name, root=serving.engine.model_path,
-                                     max_model_len=serving.max_model_len,
-                                     created=int(serving.engine.started_at),
-                                     quantization=quantization)])
+    quantization = (
+        None
+        if info is None
+        else ModelQuantization(method=info.quantization, weight_formats=info.weight_formats)
+    )
+    body = ModelList(
+        data=[
+            ModelCard(
+                id=serving.model_name,
+                root=serving.engine.model_path,
+                max_model_len=serving.max_model_len,
+                created=int(serving.engine.started_at),
+                quantization=quantization,
+            )
+        ]
+    )
     return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -110,12 +123,19 @@ async def health(request: Request) -> Response:
     restarts, before it started, and once the server drains for shutdown."""
     serving: OpenAIServing | None = getattr(request.app.state, "serving", None)
     if serving is None or not serving.engine.healthy:
-        return error_response(APIError(503, "the engine is not healthy (its model worker is "
-                                       "starting or restarting)", None, "engine_unavailable",
-                                       retry_after=1.0))
+        return error_response(
+            APIError(
+                503,
+                "the engine is not healthy (its model worker is starting or restarting)",
+                None,
+                "engine_unavailable",
+                retry_after=1.0,
+            )
+        )
     if serving.engine.draining:
-        return error_response(APIError(503, "the server is shutting down", None,
-                                       "engine_unavailable"))
+        return error_response(
+            APIError(503, "the server is shutting down", None, "engine_unavailable")
+        )
     return Response(status_code=200)
 
 
@@ -123,7 +143,8 @@ async def engine_stats(request: Request) -> Response:
     """``EngineStats`` as JSON; ``?block_map=1`` fills ``block_usage_map``."""
     serving = _serving(request)
     stats = serving.engine.stats(
-        include_block_map=request.query_params.get("block_map") in ("1", "true"))
+        include_block_map=request.query_params.get("block_map") in ("1", "true")
+    )
     return JSONResponse(dataclasses.asdict(stats))
 
 
@@ -133,9 +154,13 @@ async def reset_prefix_cache(request: Request) -> Response:
     blocks (nothing changes then)."""
     serving = _serving(request)
     if not serving.engine.reset_prefix_cache():
-        raise APIError(409, "requests are running: the prefix cache can only be reset "
-                       "when no request holds KV blocks; nothing was changed", None,
-                       "requests_running")
+        raise APIError(
+            409,
+            "requests are running: the prefix cache can only be reset "
+            "when no request holds KV blocks; nothing was changed",
+            None,
+            "requests_running",
+        )
     return JSONResponse({"reset": True})
 
 
@@ -144,19 +169,22 @@ async def tokenize(request: Request) -> Response:
     req = parse_request(TokenizeRequest, await request.body())
     serving.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
-        raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt",
-                       "invalid_value")
+        raise APIError(
+            400, "give exactly one of 'prompt' and 'messages'", "prompt", "invalid_value"
+        )
     if req.messages is not None:
-        chat = ChatCompletionRequest(messages=req.messages,
-                                     add_generation_prompt=req.add_generation_prompt)
+        chat = ChatCompletionRequest(
+            messages=req.messages, add_generation_prompt=req.add_generation_prompt
+        )
         tokens = await serving.chat_prompt(chat)
     else:
         tokens = await serving.engine.tokenize(req.prompt, req.add_special_tokens is not False)
     token_strs = None
     if req.return_token_strs:
         token_strs = serving.engine.tokenizer.convert_ids_to_tokens(tokens)
-    body = TokenizeResponse(count=len(tokens), max_model_len=serving.max_model_len,
-                            tokens=tokens, token_strs=token_strs)
+    body = TokenizeResponse(
+        count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens, token_strs=token_strs
+    )
     return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -201,6 +229,56 @@ class _StaticWeb:
         await self.static(scope, receive, send)
 
 
+def _routes(
+    websocket_endpoint: Callable[..., Awaitable[None]], web_dir: str | Path | None
+) -> list[Route | WebSocketRoute | Mount]:
+    """The API routes, then the chat page's files at ``/`` when ``web_dir``
+    (default: ``DEFAULT_WEB_DIR``) holds an ``index.html``."""
+    routes: list[Route | WebSocketRoute | Mount] = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/engine/stats", engine_stats, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        WebSocketRoute("/v1/ws", websocket_endpoint),
+    ]
+    web = Path(web_dir) if web_dir is not None else DEFAULT_WEB_DIR
+    if (web / "index.html").is_file():
+        api_methods = {r.path: set(r.methods or ()) for r in routes if isinstance(r, Route)}
+        static = _StaticWeb(StaticFiles(directory=web, html=True), api_methods)
+        routes.append(Mount("/", app=static, name="web"))
+    return routes
+
+
+def _middleware(
+    origins: list[str], quotas: QuotaManager | None, max_body_bytes: int, limits: ConnectionLimits
+) -> list[Middleware]:
+    """Outermost first: CORS must answer preflights (which carry no API key) and
+    add its headers to 401s too; then WebSocket origins, API keys (with
+    quotas), the body size limit and the body read timeout."""
+    middleware = []
+    if origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+                max_age=600,
+            )
+        )
+    middleware.append(Middleware(WebSocketOriginMiddleware, allowed_origins=origins))
+    if quotas is not None:
+        middleware.append(Middleware(APIKeyMiddleware, quotas=quotas))
+    middleware.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes))
+    middleware.append(Middleware(BodyReadTimeoutMiddleware, body_timeout_s=limits.body_timeout_s))
+    return middleware
+
+
 def _preimport_transformers() -> None:
     # AsyncEngine.start loads the tokenizer and (in-process executor) the model
     # in two threads at once; transformers' lazy module is not safe to import
@@ -208,17 +286,20 @@ def _preimport_transformers() -> None:
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
 
-def build_app(config: EngineConfig, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              max_ws_requests: int = DEFAULT_MAX_WS_REQUESTS,
-              web_dir: str | Path | None = None,
-              allowed_origins: list[str] | None = None,
-              api_keys: list[APIKeySpec] | None = None,
-              quota_window_s: float = WINDOW_S,
-              limits: ConnectionLimits | None = None,
-              tool_call_parser: str = "auto",
-              engine_factory: Callable[[EngineConfig], Awaitable[AsyncEngine]] | None = None
-              ) -> Starlette:
+def build_app(
+    config: EngineConfig,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_ws_requests: int = DEFAULT_MAX_WS_REQUESTS,
+    web_dir: str | Path | None = None,
+    allowed_origins: list[str] | None = None,
+    api_keys: list[APIKeySpec] | None = None,
+    quota_window_s: float = WINDOW_S,
+    limits: ConnectionLimits | None = None,
+    tool_call_parser: str = "auto",
+    engine_factory: Callable[[EngineConfig], Awaitable[AsyncEngine]] | None = None,
+) -> Starlette:
     """The Starlette app; its lifespan starts and stops the engine (then
     ``app.state.serving`` is the ``OpenAIServing`` and ``app.state.load_time``
     the engine's load time in seconds; if the start fails, the exception is
@@ -275,48 +356,24 @@ def build_app(config: EngineConfig, *, api_key: str | None = None,
         finally:
             await engine.shutdown()
 
-    routes: list[Route | WebSocketRoute | Mount] = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/v1/engine/stats", engine_stats, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        WebSocketRoute("/v1/ws", websocket_endpoint),
-    ]
-    web = Path(web_dir) if web_dir is not None else DEFAULT_WEB_DIR
-    if (web / "index.html").is_file():
-        api_methods = {r.path: set(r.methods or ()) for r in routes if isinstance(r, Route)}
-        routes.append(Mount("/", app=_StaticWeb(StaticFiles(directory=web, html=True),
-                                                api_methods), name="web"))
-
-    # Outermost first: CORS must answer preflights (which carry no API key) and
-    # add its headers to 401s too.
-    origins = list(allowed_origins or [])
-    middleware = []
-    if origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=origins,
-                                     allow_methods=["GET", "POST"],
-                                     allow_headers=["Authorization", "Content-Type"],
-                                     max_age=600))
-    middleware.append(Middleware(WebSocketOriginMiddleware, allowed_origins=origins))
     specs = list(api_keys or [])
     if api_key:
         specs.append(APIKeySpec.from_key("default", api_key))
     quotas = QuotaManager(specs, quota_window_s) if specs else None
-    if quotas is not None:
-        middleware.append(Middleware(APIKeyMiddleware, quotas=quotas))
-    middleware.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes))
     limits = limits or ConnectionLimits()
-    middleware.append(Middleware(BodyReadTimeoutMiddleware, body_timeout_s=limits.body_timeout_s))
+    routes = _routes(websocket_endpoint, web_dir)
+    middleware = _middleware(list(allowed_origins or []), quotas, max_body_bytes, limits)
     app = Starlette(
-        routes=routes, middleware=middleware, lifespan=lifespan,
-        exception_handlers={APIError: api_error_handler, HTTPException: http_exception_handler,
-                            ClientDisconnect: client_disconnect_handler,
-                            Exception: internal_error_handler})
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: api_error_handler,
+            HTTPException: http_exception_handler,
+            ClientDisconnect: client_disconnect_handler,
+            Exception: internal_error_handler,
+        },
+    )
     app.state.api_key = api_key
     app.state.quotas = quotas
     app.state.limits = limits

@@ -50,9 +50,12 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
         error = APIError(404, f"no route for {method} {path}", None, "unknown_route")
     elif exc.status_code == 405:
         allowed = headers.get("Allow", "")
-        error = APIError(405, f"{method} is not allowed on {path}"
-                         + (f" (allowed: {allowed})" if allowed else ""), None,
-                         "method_not_allowed")
+        error = APIError(
+            405,
+            f"{method} is not allowed on {path}" + (f" (allowed: {allowed})" if allowed else ""),
+            None,
+            "method_not_allowed",
+        )
     else:
         error = APIError(exc.status_code, exc.detail or "request failed", None, None)
     response = error_response(error)
@@ -91,9 +94,14 @@ class APIKeyMiddleware:
             token = bearer_token(dict(scope["headers"]).get(b"authorization"))
             state = self.quotas.authenticate(token)
             if state is None:
-                response = error_response(APIError(
-                    401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                    None, "invalid_api_key"))
+                response = error_response(
+                    APIError(
+                        401,
+                        "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                        None,
+                        "invalid_api_key",
+                    )
+                )
                 await response(scope, receive, send)
                 return
             scope[API_KEY_SCOPE] = state
@@ -109,8 +117,9 @@ class BodySizeLimitMiddleware:
         self.max_body_bytes = max_body_bytes
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"request body exceeds {self.max_body_bytes} bytes", None,
-                        "request_too_large")
+        return APIError(
+            413, f"request body exceeds {self.max_body_bytes} bytes", None, "request_too_large"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -162,7 +171,8 @@ class WebSocketOriginMiddleware:
             headers = dict(scope["headers"])
             origin = headers.get(b"origin")
             if origin is not None and not self.origin_allowed(
-                    origin.decode("latin-1"), headers.get(b"host", b"").decode("latin-1")):
+                origin.decode("latin-1"), headers.get(b"host", b"").decode("latin-1")
+            ):
                 logger.warning("refused a WebSocket from origin %r", origin.decode("latin-1"))
                 await receive()  # websocket.connect
                 await send({"type": "websocket.close", "code": 1008})  # the server answers 403
@@ -170,8 +180,9 @@ class WebSocketOriginMiddleware:
         await self.app(scope, receive, send)
 
 
-def admit_request(request: Request, group: RequestGroup, model: str | None,
-                  prompt_tokens: int) -> None:
+def admit_request(
+    request: Request, group: RequestGroup, model: str | None, prompt_tokens: int
+) -> None:
     """Hold the caller's key quota for this API request (released by ``group.close()``).
 
     Raises:
@@ -180,4 +191,5 @@ def admit_request(request: Request, group: RequestGroup, model: str | None,
     state = request.scope.get(API_KEY_SCOPE)
     if state is not None:
         group.lease = request.app.state.quotas.admit(
-            state, model or group.serving.model_name, prompt_tokens)
+            state, model or group.serving.model_name, prompt_tokens
+        )

@@ -53,44 +53,76 @@ async def completions(request: Request) -> Response:
         group.close()
         raise
     n = plan[0][2].n
-    echoes = [(text if text is not None else serving.engine.tokenizer.decode(ids))
-              if req.echo else "" for ids, text, _ in plan]
+    echoes = [
+        (text if text is not None else serving.engine.tokenizer.decode(ids)) if req.echo else ""
+        for ids, text, _ in plan
+    ]
     prompt_tokens = sum(len(ids) for ids, _, _ in plan)
     if req.stream:
-        return SSEResponse(_completion_stream(serving, req, request_id, n, echoes, prompt_tokens,
-                                              group), group)
-    return await until_disconnect(request, group, _completion_full(
-        serving, req, request_id, n, echoes, prompt_tokens, group))
+        return SSEResponse(
+            _completion_stream(serving, req, request_id, n, echoes, prompt_tokens, group), group
+        )
+    return await until_disconnect(
+        request, group, _completion_full(serving, req, request_id, n, echoes, prompt_tokens, group)
+    )
 
 
-async def _completion_full(serving: OpenAIServing, req: CompletionRequest, request_id: str,
-                           n: int, echoes: list[str], prompt_tokens: int,
-                           group: RequestGroup) -> Response:
+async def _completion_full(
+    serving: OpenAIServing,
+    req: CompletionRequest,
+    request_id: str,
+    n: int,
+    echoes: list[str],
+    prompt_tokens: int,
+    group: RequestGroup,
+) -> Response:
     final, cached = await collect(group, n)
     choices = []
     for index in sorted(final):
         c, echo = final[index], echoes[index // n]
         logprobs = None
         if req.logprobs is not None and c.logprobs is not None:
-            logprobs = serving.completion_logprobs(c.token_ids, c.logprobs, req.logprobs,
-                                                   len(echo))
-        choices.append(CompletionChoice(index=index, text=echo + c.text, logprobs=logprobs,
-                                        finish_reason=c.finish_reason,
-                                        stop_reason=c.stop_reason))
+            logprobs = serving.completion_logprobs(c.token_ids, c.logprobs, req.logprobs, len(echo))
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=echo + c.text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
     completion_tokens = sum(len(c.token_ids) for c in final.values())
-    body = CompletionResponse(id=request_id, model=serving.model_name, choices=choices,
-                              usage=make_usage(prompt_tokens, completion_tokens, cached))
+    body = CompletionResponse(
+        id=request_id,
+        model=serving.model_name,
+        choices=choices,
+        usage=make_usage(prompt_tokens, completion_tokens, cached),
+    )
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-async def _completion_stream(serving: OpenAIServing, req: CompletionRequest, request_id: str,
-                             n: int, echoes: list[str], prompt_tokens: int,
-                             group: RequestGroup) -> AsyncIterator[bytes]:
+async def _completion_stream(
+    serving: OpenAIServing,
+    req: CompletionRequest,
+    request_id: str,
+    n: int,
+    echoes: list[str],
+    prompt_tokens: int,
+    group: RequestGroup,
+) -> AsyncIterator[bytes]:
     created = int(time.time())
 
     def chunk(choices: list[CompletionChoice], usage: Any = None) -> bytes:
-        return sse(CompletionChunk(id=request_id, created=created, model=serving.model_name,
-                                   choices=choices, usage=usage))
+        return sse(
+            CompletionChunk(
+                id=request_id,
+                created=created,
+                model=serving.model_name,
+                choices=choices,
+                usage=usage,
+            )
+        )
 
     # Text offset of each choice's next delta (OpenAI's logprobs.text_offset).
     offsets = {index: len(echoes[index // n]) for index in range(len(echoes) * n)}
@@ -101,8 +133,17 @@ async def _completion_stream(serving: OpenAIServing, req: CompletionRequest, req
             ids, entries = delta_logprobs(c)
             logprobs = serving.completion_logprobs(ids, entries, req.logprobs, offsets[index])
         offsets[index] += len(c.delta_text)
-        return chunk([CompletionChoice(index=index, text=c.delta_text, logprobs=logprobs,
-                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+        return chunk(
+            [
+                CompletionChoice(
+                    index=index,
+                    text=c.delta_text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            ]
+        )
 
     def usage_event(completion_tokens: int, cached: int) -> bytes:
         return chunk([], make_usage(prompt_tokens, completion_tokens, cached))
@@ -110,6 +151,7 @@ async def _completion_stream(serving: OpenAIServing, req: CompletionRequest, req
     if req.echo:
         for index in range(len(echoes) * n):
             yield chunk([CompletionChoice(index=index, text=echoes[index // n])])
-    async for event in stream_events(group, n, choice_event,
-                                     usage_event if req.include_usage else None):
+    async for event in stream_events(
+        group, n, choice_event, usage_event if req.include_usage else None
+    ):
         yield event

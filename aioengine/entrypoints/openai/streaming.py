@@ -52,8 +52,11 @@ class SSEResponse(StreamingResponse):
     the generator ever started (then only this ``finally`` runs)."""
 
     def __init__(self, content: AsyncIterator[bytes], group: RequestGroup) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.group = group
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -63,12 +66,14 @@ class SSEResponse(StreamingResponse):
             self.group.close()
 
 
-async def until_disconnect(request: Request, group: RequestGroup,
-                           work: Awaitable[Response]) -> Response:
+async def until_disconnect(
+    request: Request, group: RequestGroup, work: Awaitable[Response]
+) -> Response:
     """Run a non-streaming request; abort it if the client disconnects first.
 
     The body has been read, so the next ASGI message is ``http.disconnect``.
     """
+
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -107,9 +112,12 @@ async def collect(group: RequestGroup, n: int) -> tuple[dict[int, CompletionOutp
     return final, sum(cached.values())
 
 
-async def stream_events(group: RequestGroup, n: int,
-                        choice_event: Callable[[int, CompletionOutput], bytes],
-                        usage_event: Callable[[int, int], bytes] | None) -> AsyncIterator[bytes]:
+async def stream_events(
+    group: RequestGroup,
+    n: int,
+    choice_event: Callable[[int, CompletionOutput], bytes],
+    usage_event: Callable[[int, int], bytes] | None,
+) -> AsyncIterator[bytes]:
     """The SSE body after any opening events: ``choice_event(index, output)``
     for each choice that changed, ``usage_event(completion_tokens,
     cached_tokens)`` when usage was asked for, then ``[DONE]``. An engine that

@@ -1,0 +1,83 @@
+// The tensor entry point of paged decode attention (attention.h).
+
+#include "attention.h"
+
+#include <ATen/Dispatch.h>
+
+namespace aioengine {
+namespace {
+
+template <typename scalar_t, typename cache_t = scalar_t>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
+                           const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           double scale) {
+  DecodeAttention<scalar_t, cache_t> a;
+  a.q = query.data_ptr<scalar_t>();
+  a.qs = query.stride(0);
+  a.qh = query.stride(1);
+  a.k = key_cache.data_ptr<cache_t>();
+  a.kb = key_cache.stride(0);
+  a.kt = key_cache.stride(1);
+  a.kh = key_cache.stride(2);
+  a.v = value_cache.data_ptr<cache_t>();
+  a.vb = value_cache.stride(0);
+  a.vt = value_cache.stride(1);
+  a.vh = value_cache.stride(2);
+  a.out = out.data_ptr<scalar_t>();
+  a.os = out.stride(0);
+  a.oh = out.stride(1);
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.max_blocks = block_tables.size(1);
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.num_seqs = query.size(0);
+  a.num_heads = query.size(1);
+  a.num_kv_heads = key_cache.size(2);
+  a.head_dim = query.size(2);
+  a.block_size = key_cache.size(1);
+  a.scale = static_cast<float>(scale);
+  decode_attention_run(a);
+}
+
+
+}  // namespace
+
+void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_tables,
+                            at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "paged_attention_decode: bad ranks");
+  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
+              "paged_attention_decode: head mismatch");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
+                  value_cache.stride(3) == 1, "paged_attention_decode: head_dim stride must be 1");
+  TORCH_CHECK(out.sizes() == query.sizes(), "paged_attention_decode: out shape");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  block_tables.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
+              "paged_attention_decode: block_tables/seq_lens must be contiguous int32, one row "
+              "per sequence");
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == cache_type && out.scalar_type() == query.scalar_type() &&
+                  (query.scalar_type() == cache_type ||
+                   (query.scalar_type() == at::kFloat &&
+                    (cache_type == at::kHalf || cache_type == at::kBFloat16))),
+              "paged_attention_decode: the caches must have the query's dtype, or be fp16/bf16 "
+              "under an fp32 query");
+  if (query.scalar_type() == at::kFloat && cache_type == at::kHalf) {
+    decode_attention_impl<float, c10::Half>(out, query, key_cache, value_cache, block_tables,
+                                            seq_lens, scale);
+    return;
+  }
+  if (query.scalar_type() == at::kFloat && cache_type == at::kBFloat16) {
+    decode_attention_impl<float, c10::BFloat16>(out, query, key_cache, value_cache, block_tables,
+                                                seq_lens, scale);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attn", [&] {
+    decode_attention_impl<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  });
+}
+
+
+}  // namespace aioengine

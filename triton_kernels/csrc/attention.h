@@ -1,0 +1,102 @@
+// Paged decode attention (PagedAttention, Kwon et al. 2023, section 4.1): one new query
+// token per sequence attends to its paged K/V, read in place through the block table, no
+// gather copy. One task per (sequence, KV head) reads each K and V row once for the whole
+// query-head group (GQA, Ainslie et al. 2023). Scores, softmax and the weighted sum in
+// fp32. Used by the tensor entry point (attention.cpp) and the fused decoder layers.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+
+namespace aioengine {
+
+
+// One layer's decode attention, on raw pointers so both the tensor entry point and
+// the fused decoder below can call it. Strides are in elements; head_dim's is 1. The
+// cache's element type may be narrower than the query's (an fp16/bf16 KV cache under
+// fp32 activations, --kv-cache-dtype); scores and sums are fp32 either way.
+template <typename scalar_t, typename cache_t = scalar_t>
+struct DecodeAttention {
+  const scalar_t* q;
+  int64_t qs, qh;  // query [num_seqs, num_heads, head_dim]
+  const cache_t* k;
+  int64_t kb, kt, kh;  // key cache [num_blocks, block_size, num_kv_heads, head_dim]
+  const cache_t* v;
+  int64_t vb, vt, vh;
+  scalar_t* out;
+  int64_t os, oh;  // out [num_seqs, num_heads, head_dim]
+  const int32_t* block_tables;  // [num_seqs, max_blocks]
+  int64_t max_blocks;
+  const int32_t* seq_lens;  // [num_seqs]
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+};
+
+template <typename scalar_t, typename cache_t>
+void decode_attention_run(const DecodeAttention<scalar_t, cache_t>& a) {
+  const int64_t group = a.num_heads / a.num_kv_heads, head_dim = a.head_dim;
+  at::parallel_for(0, a.num_seqs * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / a.num_kv_heads, h = task % a.num_kv_heads;
+      const int64_t len = a.seq_lens[s];
+      const int32_t* blocks = a.block_tables + s * a.max_blocks;
+      scores.resize(group * len);
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = a.q + s * a.qs + (h * group + g) * a.qh;
+        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * a.scale;
+      }
+      // Pass 1: scores of every query head of the group against each key, read once.
+      for (int64_t start = 0; start < len; start += a.block_size) {
+        const cache_t* kblock = a.k + blocks[start / a.block_size] * a.kb + h * a.kh;
+        const int64_t stop = std::min(len, start + a.block_size);
+        for (int64_t t = start; t < stop; ++t) {
+          const cache_t* k = kblock + (t - start) * a.kt;
+          for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(&q[g * head_dim], k, head_dim);
+        }
+      }
+      // Softmax per query head (max-subtracted, fp32).
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = &scores[g * len];
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = row[t] > m ? row[t] : m;
+        exp_shifted(row, len, m);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) sum += row[t];
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+      }
+      // Pass 2: the weighted sum of values, each value row read once.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < len; start += a.block_size) {
+        const cache_t* vblock = a.v + blocks[start / a.block_size] * a.vb + h * a.vh;
+        const int64_t stop = std::min(len, start + a.block_size);
+        for (int64_t t = start; t < stop; ++t) {
+          const cache_t* v = vblock + (t - start) * a.vt;
+          for (int64_t g = 0; g < group; ++g) axpy(&acc[g * head_dim], scores[g * len + t], v, head_dim);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* dst = a.out + s * a.os + (h * group + g) * a.oh;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+
+// out = decode attention of query over the caches ([num_seqs, num_heads, head_dim];
+// caches [num_blocks, block_size, num_kv_heads, head_dim] of the query's dtype, or
+// fp16/bf16 under an fp32 query). Checks shapes and dtypes.
+void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_tables,
+                            at::Tensor seq_lens, double scale);
+
+}  // namespace aioengine

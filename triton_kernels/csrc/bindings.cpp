@@ -1,0 +1,89 @@
+// Python bindings of the CPU kernels for aioengine's decode hot path, built on first use by
+// triton_kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 -march=native).
+//
+// - paged_attention_decode: one new query token per sequence attends to its
+//   paged K/V, read in place through the block table (PagedAttention, Kwon et
+//   al. 2023, section 4.1): no gather copy. One task per (sequence, KV head)
+//   reads each K and V row once for the whole query-head group (GQA,
+//   Ainslie et al. 2023). Scores, softmax and the weighted sum in fp32.
+// - fused_add_rms_norm: residual += x; x = rms_norm(residual) * weight, in
+//   place (vLLM's fused_add_rms_norm; RMSNorm, Zhang & Sennrich 2019).
+// - silu_and_mul: out = silu(x[:, :d]) * x[:, d:] (SwiGLU, Shazeer 2020).
+// - linear (fp32): y = x @ w^T (+ bias); a skinny kernel up to 16 rows of x, MKL's
+//   GEMM above.
+// - quant_dequantize / quant_linear / quant_embedding: GGML block formats read in
+//   place (quant_ops.h, quant_ops.cpp).
+// - LlamaDecodeLayers (fp32 activations): a Llama-family decoder-layer stack for one
+//   decode step in one call, built from the kernels above; each projection is dense
+//   fp32 or quantized (any mix of parts).
+//
+// The first three take fp32, bf16 or fp16 tensors and accumulate in fp32.
+// Shapes and dtypes are checked in Python (triton_kernels/cpu_ops.py) and again
+// here with TORCH_CHECK, which surfaces as RuntimeError.
+//
+// One file per kernel: attention.{h,cpp}, norm_act.{h,cpp}, linear.{h,cpp},
+// decode_layers.{h,cpp}, quant_ops.{h,cpp}, copy_blocks.cpp; shared SIMD helpers in simd.h. Every .cpp of
+// csrc/ is compiled (cpu_ops.py globs them).
+
+#include <torch/extension.h>
+
+#include "attention.h"
+#include "decode_layers.h"
+#include "linear.h"
+#include "norm_act.h"
+#include "quant_ops.h"
+
+void copy_blocks(at::Tensor kv_cache, const at::Tensor& block_mapping);  // copy_blocks.cpp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Every kernel releases the GIL, as torch's own ops do: an in-process engine runs steps
+  // in a thread beside its event loop.
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("paged_attention_decode", &aioengine::paged_attention_decode, release());
+  m.def("fused_add_rms_norm", &aioengine::fused_add_rms_norm, release());
+  m.def("silu_and_mul", &aioengine::silu_and_mul, release());
+  m.def("copy_blocks", &copy_blocks, pybind11::arg("kv_cache"), pybind11::arg("block_mapping"),
+        release());
+  m.def("linear", &aioengine::linear, pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("bias") = pybind11::none(), release());
+  m.def("quant_dequantize", &aioengine::quant_dequantize, pybind11::arg("data"),
+        pybind11::arg("qtype"), pybind11::arg("cols"), pybind11::arg("isa") = -1, release());
+  m.def("quant_linear", &aioengine::quant_linear, pybind11::arg("x"), pybind11::arg("parts"),
+        pybind11::arg("qtypes"), pybind11::arg("cols"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("isa") = -1, release());
+  m.def("quant_embedding", &aioengine::quant_embedding, pybind11::arg("ids"),
+        pybind11::arg("data"), pybind11::arg("qtype"), pybind11::arg("cols"),
+        pybind11::arg("isa") = -1, release());
+  m.def("set_q8_activations", &aioengine::set_q8_activations, pybind11::arg("on"),
+        "int8 activations for the quantized GEMV (VNNI builds); False if the build has none.");
+  m.def("q8_activations", &aioengine::q8_activations);
+  m.def("quant_isa", [] { return static_cast<int>(aioengine::resolve_isa(-1)); },
+        "The instruction-set path the quantized kernels use: 0 scalar, 1 AVX2, 2 AVX-512.");
+  namespace py = pybind11;
+  using aioengine::DecoderLayerWeights;
+  using aioengine::Projection;
+  py::class_<Projection>(m, "Projection")
+      .def(py::init([](std::vector<at::Tensor> parts, std::vector<int64_t> qtypes) {
+             return Projection{std::move(parts), std::move(qtypes)};
+           }), py::arg("parts"), py::arg("qtypes"))
+      .def_readonly("parts", &Projection::parts)
+      .def_readonly("qtypes", &Projection::qtypes);
+  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
+      .def(py::init([](at::Tensor input_layernorm, at::Tensor post_attention_layernorm,
+                       c10::optional<at::Tensor> qkv_bias, Projection qkv_proj, Projection o_proj,
+                       Projection gate_up_proj, Projection down_proj) {
+             return DecoderLayerWeights{std::move(input_layernorm),
+                                        std::move(post_attention_layernorm),
+                                        qkv_bias.has_value() ? *qkv_bias : at::Tensor(),
+                                        std::move(qkv_proj), std::move(o_proj),
+                                        std::move(gate_up_proj), std::move(down_proj)};
+           }), py::kw_only(), py::arg("input_layernorm"), py::arg("post_attention_layernorm"),
+           py::arg("qkv_bias"), py::arg("qkv_proj"), py::arg("o_proj"), py::arg("gate_up_proj"),
+           py::arg("down_proj"));
+  py::class_<aioengine::LlamaDecodeLayers>(m, "LlamaDecodeLayers")
+      .def(py::init<const std::vector<DecoderLayerWeights>&, at::Tensor, int64_t, int64_t,
+                    int64_t, double>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"))
+      .def("forward", &aioengine::LlamaDecodeLayers::forward, release());
+}

@@ -1,0 +1,200 @@
+// The decoder layers of a Llama-family model for one decode step, in one call
+// (decode_layers.cpp). Weights come as named structs (DecoderLayerWeights), one per layer.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "attention.h"
+#include "linear.h"
+#include "norm_act.h"
+#include "quant_ops.h"
+
+namespace aioengine {
+
+// A projection's weight as parts stacked by rows (uint8 GGML rows, or one contiguous fp32
+// matrix) with their GGML types (quant_ops.h; F32 = 0).
+struct Projection {
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> qtypes;
+};
+
+// One decoder layer's weights, by name (HF's module names). qkv_bias is empty when the
+// model has none; norms and the bias are contiguous fp32.
+struct DecoderLayerWeights {
+  at::Tensor input_layernorm, post_attention_layernorm, qkv_bias;
+  Projection qkv_proj, o_proj, gate_up_proj, down_proj;
+};
+
+// The decoder layers of a Llama-family model for one decode step, in one call.
+//
+// Between two weight-streaming matmuls, every small op the Python forward runs starts
+// with cold caches (the weights just swept L2) and costs 30-40 us instead of a few;
+// at batch 1 that was a quarter of the step (bench/README.md). Here the whole layer
+// stack runs in C++ with small buffers and a small code footprint, the "no bubbles"
+// idea of decode megakernels (Hazy Research, "Look Ma, No Bubbles!", 2025). Each
+// layer: RMSNorm (+ residual add), QKV projection, rotate-half RoPE, K/V written to
+// their cache slots, paged decode attention, O projection, residual add + RMSNorm,
+// gate/up projection, SiLU * up, down projection. fp32 activations; each projection is
+// a dense fp32 matrix or GGML-quantized parts (quant_ops.h). The Python forward is the
+// oracle (tests/test_decode_layers.py).
+class LlamaDecodeLayers {
+ public:
+  // Checks every shape: hidden from final_norm, head counts, each projection's rows and
+  // in_features (hidden for qkv and gate_up, H * D for o_proj, half of gate_up's rows
+  // for down_proj).
+  LlamaDecodeLayers(const std::vector<DecoderLayerWeights>& layers, at::Tensor final_norm,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps);
+
+  // residual: [M, hidden] embeddings of the step's tokens, one per sequence; it becomes
+  // the residual stream after the last layer. cos, sin: [M, head_dim] rows of the RoPE
+  // tables at the tokens' positions. kv_cache: [num_layers, 2, num_blocks, block_size,
+  // num_kv_heads, head_dim]. slots: [M] int64 cache slots of the new tokens;
+  // block_tables: [M, max_blocks] int32 (entries past a sequence's length may be any
+  // valid block id); seq_lens: [M] int32, the new token included. The caller (the
+  // attention plan) has checked slots, block ids and lengths against the cache.
+  // Returns the final-normed hidden states [M, hidden].
+  at::Tensor forward(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+                     at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                     double scale) {
+    const int64_t M = residual.size(0);
+    TORCH_CHECK(residual.dim() == 2 && residual.size(1) == hidden_ && residual.is_contiguous() &&
+                    residual.scalar_type() == at::kFloat, "forward: residual [M, hidden] fp32");
+    TORCH_CHECK(cos.sizes() == at::IntArrayRef({M, head_dim_}) && sin.sizes() == cos.sizes() &&
+                    cos.is_contiguous() && sin.is_contiguous() &&
+                    cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                "forward: cos/sin [M, head_dim] fp32");
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers_ && kv_cache.size(1) == 2 &&
+                    kv_cache.size(4) == num_kv_heads_ && kv_cache.size(5) == head_dim_ &&
+                    kv_cache.stride(5) == 1 &&
+                    (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf ||
+                     kv_cache.scalar_type() == at::kBFloat16),
+                "forward: kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, "
+                "head_dim] fp32, fp16 or bf16");
+    TORCH_CHECK(slots.numel() == M && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                    block_tables.dim() == 2 && block_tables.size(0) == M &&
+                    block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                    seq_lens.numel() == M && seq_lens.scalar_type() == at::kInt &&
+                    seq_lens.is_contiguous(), "forward: slots/block_tables/seq_lens");
+    switch (kv_cache.scalar_type()) {
+      case at::kHalf:
+        return run<c10::Half>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens, scale);
+      case at::kBFloat16:
+        return run<c10::BFloat16>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens,
+                                  scale);
+      default:
+        return run<float>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens, scale);
+    }
+  }
+
+ private:
+  // forward() for a cache of element type cache_t (K/V are rounded to it when written).
+  template <typename cache_t>
+  at::Tensor run(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
+                 at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+    const int64_t M = residual.size(0);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t qkv_n = q_size + 2 * kv_size;
+    const auto opts = residual.options();
+    at::Tensor x = at::zeros({M, hidden_}, opts);  // layer 0 adds zero to the residual
+    at::Tensor o = at::empty({M, hidden_}, opts);
+    at::Tensor qkv = at::empty({M, qkv_n}, opts);
+    at::Tensor attn = at::empty({M, q_size}, opts);
+    at::Tensor gate_up = at::empty({M, 2 * intermediate_}, opts);
+    at::Tensor act = at::empty({M, intermediate_}, opts);
+    const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    cache_t* cache = kv_cache.data_ptr<cache_t>();
+    // The caller's plan has checked these; checked again here because a write or read
+    // outside the cache would corrupt memory (a few integer compares a step).
+    const int32_t* bt = block_tables.data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    const int64_t max_blocks = block_tables.size(1);
+    for (int64_t t = 0; t < M; ++t) {
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_blocks * block_size, "forward: slot ", slot[t],
+                  " outside the cache of ", num_blocks * block_size, " slots");
+      TORCH_CHECK(lens[t] >= 1 && lens[t] <= max_blocks * block_size, "forward: seq_len ",
+                  lens[t], " outside [1, ", max_blocks * block_size, "]");
+      for (int64_t b = 0; b < (lens[t] + block_size - 1) / block_size; ++b)
+        TORCH_CHECK(bt[t * max_blocks + b] >= 0 && bt[t * max_blocks + b] < num_blocks,
+                    "forward: block id ", bt[t * max_blocks + b], " outside [0, ", num_blocks, ")");
+    }
+
+    DecodeAttention<float, cache_t> a;
+    a.q = qkv.data_ptr<float>();
+    a.qs = qkv_n;
+    a.qh = head_dim_;
+    a.kb = a.vb = kv_cache.stride(2);
+    a.kt = a.vt = kv_cache.stride(3);
+    a.kh = a.vh = kv_cache.stride(4);
+    a.out = attn.data_ptr<float>();
+    a.os = q_size;
+    a.oh = head_dim_;
+    a.block_tables = block_tables.data_ptr<int32_t>();
+    a.max_blocks = block_tables.size(1);
+    a.seq_lens = seq_lens.data_ptr<int32_t>();
+    a.num_seqs = M;
+    a.num_heads = num_heads_;
+    a.num_kv_heads = num_kv_heads_;
+    a.head_dim = head_dim_;
+    a.block_size = block_size;
+    a.scale = static_cast<float>(scale);
+
+    for (int64_t i = 0; i < num_layers_; ++i) {
+      const Layer& l = layers_[i];
+      fused_add_rms_norm_impl<float>(x, residual, l.input_layernorm, eps_);
+      project(qkv, x, l.qkv_proj, l.qkv_bias);
+      float* qkv_ptr = qkv.data_ptr<float>();
+      rope_rotate_half(qkv_ptr, M, qkv_n, num_heads_ + num_kv_heads_, head_dim_,
+                       cos.data_ptr<float>(), sin.data_ptr<float>(), head_dim_);
+      cache_t* key_cache = cache + i * kv_cache.stride(0);
+      cache_t* value_cache = key_cache + kv_cache.stride(1);
+      for (int64_t t = 0; t < M; ++t) {  // reshape_and_cache
+        const int64_t off = (slot[t] / block_size) * a.kb + (slot[t] % block_size) * a.kt;
+        for (int64_t h = 0; h < num_kv_heads_; ++h) {
+          const float* k = qkv_ptr + t * qkv_n + q_size + h * head_dim_;
+          std::copy(k, k + head_dim_, key_cache + off + h * a.kh);
+          std::copy(k + kv_size, k + kv_size + head_dim_, value_cache + off + h * a.kh);
+        }
+      }
+      a.k = key_cache;
+      a.v = value_cache;
+      decode_attention_run(a);
+      project(o, attn, l.o_proj, at::Tensor());
+      fused_add_rms_norm_impl<float>(o, residual, l.post_attention_layernorm, eps_);
+      project(gate_up, o, l.gate_up_proj, at::Tensor());
+      silu_and_mul_impl<float>(act, gate_up);
+      project(x, act, l.down_proj, at::Tensor());
+    }
+    fused_add_rms_norm_impl<float>(x, residual, final_norm_, eps_);
+    return x;
+  }
+
+  // y[M, N] = x[M, K] @ w^T (+ bias), y and x contiguous.
+  void project(at::Tensor& y, const at::Tensor& x, const QuantLinear& w,
+               const at::Tensor& bias) const {
+    if (w.dense()) {
+      linear_into(y, x, w.tensors[0], bias);
+      return;
+    }
+    const float* b = bias.defined() && bias.numel() > 0 ? bias.data_ptr<float>() : nullptr;
+    quant_linear_into(y.data_ptr<float>(), y.size(1), x.data_ptr<float>(), x.size(1),
+                                 x.size(0), w, b, isa_);
+  }
+
+  struct Layer {
+    at::Tensor input_layernorm, post_attention_layernorm, qkv_bias;
+    QuantLinear qkv_proj, o_proj, gate_up_proj, down_proj;
+  };
+
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_;
+  int64_t num_layers_, num_heads_, num_kv_heads_, head_dim_, hidden_, intermediate_;
+  double eps_;
+  Isa isa_;
+};
+
+}  // namespace aioengine
