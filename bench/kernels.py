@@ -141,7 +141,7 @@ def bench_one(batch: int, context: int, args: argparse.Namespace, dtype: torch.d
     from triton.testing import do_bench
 
     from triton_kernels import paged_attention_decode
-    from triton_kernels.paged_attention import _decode_num_splits
+    from triton_kernels.paged_attention_triton import _decode_num_splits
 
     bs, kvh, hd, nh = args.block_size, args.num_kv_heads, args.head_dim, args.num_heads
     blocks_per_seq = triton.cdiv(context, bs)

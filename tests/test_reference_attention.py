@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import triton_kernels
-from triton_kernels import reference
+from triton_kernels import attention_plan, reference
 
 HEAD_DIM = 8
 GQA = [(2, 2), (6, 2), (8, 1)]  # (num_heads, num_kv_heads): group sizes 1, 3, 8
@@ -311,7 +311,7 @@ def test_planned_attention_equals_unplanned_and_serves_every_layer(scenario, num
     for b in batches:
         planned = triton_kernels.paged_attention(**b, plan=plan)
         torch.testing.assert_close(planned, run_reference(b), atol=2e-6, rtol=1e-5)
-        torch.testing.assert_close(reference.paged_attention_planned(
+        torch.testing.assert_close(attention_plan.paged_attention_planned(
             b["query"], b["key_cache"], b["value_cache"], plan, b["scale"]), run_reference(b),
             atol=0, rtol=0)
         assert_close_to_naive(b, planned)

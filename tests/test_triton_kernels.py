@@ -138,7 +138,7 @@ def _run_interpreted_cases() -> dict[str, dict]:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)
     cache_ops = importlib.import_module("triton_kernels.cache_ops")
-    pa = importlib.import_module("triton_kernels.paged_attention")
+    pa = importlib.import_module("triton_kernels.paged_attention_triton")
     assert pa._INTERPRETED and cache_ops._INTERPRETED
     results = {}
     for name, case in INTERPRETED_CASES.items():
@@ -172,16 +172,17 @@ def test_interpreted_kernel_matches_reference(case_name, interpreted_results):
 @pytest.fixture(scope="module")
 def kernels():
     pytest.importorskip("triton")
-    return (importlib.import_module("triton_kernels.paged_attention"),
+    return (importlib.import_module("triton_kernels.paged_attention_triton"),
             importlib.import_module("triton_kernels.cache_ops"))
 
 
 def test_importing_the_kernel_module_keeps_the_dispatcher(kernels):
-    # Regression: importing the submodule triton_kernels.paged_attention used to rebind the
-    # package attribute of the same name, so triton_kernels.paged_attention(...) broke.
+    # Regression: the Triton submodule was once named triton_kernels.paged_attention, and
+    # importing it rebound the package attribute, so triton_kernels.paged_attention(...)
+    # broke. It is now paged_attention_triton; the name must stay the function's.
     assert callable(triton_kernels.paged_attention)
     assert triton_kernels.paged_attention.__module__ == "triton_kernels"
-    assert sys.modules["triton_kernels.paged_attention"] is kernels[0]
+    assert sys.modules["triton_kernels.paged_attention_triton"] is kernels[0]
 
 
 def test_package_imports_nothing_from_aioengine():

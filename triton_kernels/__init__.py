@@ -2,9 +2,10 @@
 
 The model calls only the functions below. Each dispatches on the device of its
 tensors: CUDA tensors go to the Triton kernels (``cache_ops.py``,
-``paged_attention.py``), anything else to the torch implementation in
-``reference.py``. Triton is imported on the first CUDA call, so the CPU path
-works where Triton is missing or broken.
+``paged_attention_triton.py``), anything else to the torch implementation in
+``reference.py`` (with a step planned once for every layer: ``attention_plan.py``).
+Triton is imported on the first CUDA call, so the CPU path works where Triton is
+missing or broken.
 
 This package imports nothing from ``aioengine``: it needs only torch (and Triton
 for CUDA). OpenAI ships an unrelated package also named ``triton_kernels``; the
@@ -26,12 +27,9 @@ Layout the functions share:
 
 from __future__ import annotations
 
-import sys
-import types
-
 import torch
 
-from . import reference
+from . import attention_plan, reference
 
 __all__ = [
     "AttentionPlan",
@@ -45,7 +43,7 @@ __all__ = [
     "silu_and_mul",
 ]
 
-AttentionPlan = reference.AttentionPlan
+AttentionPlan = attention_plan.AttentionPlan
 
 
 def plan_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -72,8 +70,8 @@ def plan_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     if key_cache.is_cuda:
         return None
     num_blocks, block_size = key_cache.shape[:2]
-    return reference.plan_attention(slot_mapping, block_tables, cu_seqlens_q, seq_lens,
-                                    max_seqlen_q, max_seqlen_k, num_blocks, block_size)
+    return attention_plan.plan_attention(slot_mapping, block_tables, cu_seqlens_q, seq_lens,
+                                         max_seqlen_q, max_seqlen_k, num_blocks, block_size)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -95,7 +93,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         ValueError: on mismatched shapes, dtypes, devices or (CUDA) strides.
     """
     if plan is not None and not key_cache.is_cuda:
-        reference.reshape_and_cache_planned(key, value, key_cache, value_cache, plan)
+        attention_plan.reshape_and_cache_planned(key, value, key_cache, value_cache, plan)
         return
     if key_cache.is_cuda:
         from .cache_ops import reshape_and_cache as impl
@@ -147,10 +145,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                          cu_seqlens_q, seq_lens, scale, max_seqlen_q,
                                          max_seqlen_k)
     if max_seqlen_q == 1 and query.shape[0] == seq_lens.shape[0]:
-        from .paged_attention import paged_attention_decode as decode
+        from .paged_attention_triton import paged_attention_decode as decode
         return decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                       max_seqlen_k)
-    from .paged_attention import paged_attention_prefill as prefill
+    from .paged_attention_triton import paged_attention_prefill as prefill
     return prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                    max_seqlen_q, max_seqlen_k)
 
@@ -167,7 +165,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
         ValueError: on mismatched shapes, dtypes, devices or (CUDA) strides.
     """
     if query.is_cuda:
-        from .paged_attention import paged_attention_decode as impl
+        from .paged_attention_triton import paged_attention_decode as impl
     else:
         impl = reference.paged_attention_decode
     return impl(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seqlen_k)
@@ -180,7 +178,7 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor,
     """``paged_attention`` always through the prefill/extend path (the Triton prefill kernel
     on CUDA, even for decode rows). Same arguments and errors."""
     if query.is_cuda:
-        from .paged_attention import paged_attention_prefill as impl
+        from .paged_attention_triton import paged_attention_prefill as impl
     else:
         impl = reference.paged_attention_prefill
     return impl(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
@@ -247,22 +245,3 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
 
     check_copy_blocks(kv_cache, block_mapping)
     ops.copy_blocks(kv_cache, block_mapping.contiguous())
-
-
-class _Package(types.ModuleType):
-    """This package's module type.
-
-    Importing the submodule ``triton_kernels.paged_attention`` makes Python set the
-    package attribute of the same name to that submodule, which would replace the
-    ``paged_attention`` function above for every later ``triton_kernels.paged_attention(...)``
-    call. The submodule stays reachable through ``sys.modules`` and
-    ``from triton_kernels.paged_attention import ...``.
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "paged_attention" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

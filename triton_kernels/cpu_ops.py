@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import reference
+from . import attention_plan, reference
 
 logger = logging.getLogger(__name__)
 
@@ -205,12 +205,12 @@ def _unit_stride(*tensors: torch.Tensor) -> bool:
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     plan: reference._DecodePlan, scale: float) -> torch.Tensor:
+                     plan: attention_plan._DecodePlan, scale: float) -> torch.Tensor:
     """Decode rows over the paged cache, read in place (no gather), in C++; the SDPA path of
-    ``reference`` when the kernels are unavailable."""
+    ``attention_plan`` when the kernels are unavailable."""
     ops = _ops_for(query.dtype)
     if ops is None or not _unit_stride(query, key_cache, value_cache):
-        return reference._decode(query, key_cache, value_cache, plan, scale)
+        return attention_plan._decode(query, key_cache, value_cache, plan, scale)
     out = torch.empty_like(query)
     ops.paged_attention_decode(out, query, key_cache, value_cache, plan.block_table,
                                plan.seq_lens, scale)
@@ -218,12 +218,12 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
 
 def paged_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
-                            value_cache: torch.Tensor, plan: reference.AttentionPlan,
+                            value_cache: torch.Tensor, plan: attention_plan.AttentionPlan,
                             scale: float) -> torch.Tensor:
-    """``reference.paged_attention_planned`` with the decode rows through the C++ kernel
+    """``attention_plan.paged_attention_planned`` with the decode rows through the C++ kernel
     (prefill rows are compute-bound and stay on SDPA)."""
-    return reference.paged_attention_planned(query, key_cache, value_cache, plan, scale,
-                                             decode=decode_attention)
+    return attention_plan.paged_attention_planned(query, key_cache, value_cache, plan, scale,
+                                                  decode=decode_attention)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -369,7 +369,7 @@ class LlamaDecodeLayers:
         return self._impl is not None
 
     def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, plan: reference.AttentionPlan | None,
+                kv_cache: torch.Tensor, plan: attention_plan.AttentionPlan | None,
                 scale: float) -> torch.Tensor | None:
         """Run the layers for a step whose plan is all decodes, every token with a cache
         slot; otherwise (or without the kernels) return None and change nothing.
@@ -396,7 +396,7 @@ class LlamaDecodeLayers:
                 or residual.dtype != torch.float32
                 or kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
             return None
-        reference._check_plan(plan, residual, kv_cache[0, 0], kv_cache[0, 1])
+        attention_plan._check_plan(plan, residual, kv_cache[0, 0], kv_cache[0, 1])
         decode = plan.decode
         return self._impl.forward(residual, cos.contiguous(), sin.contiguous(), kv_cache,
                                   plan.slots.contiguous(), decode.block_table, decode.seq_lens,
