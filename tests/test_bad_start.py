@@ -92,6 +92,8 @@ CASES: list[tuple[str, Flags, str]] = [
     ("port-out-of-range", lambda t: ["--port", "70000"], "not a TCP port"),
     ("block-size-not-power-of-two", lambda t: ["--block-size", "3"], "power of two"),
     ("dtype-unknown", lambda t: ["--dtype", "int8"], "invalid choice"),
+    ("kv-cache-dtype-under-bf16-activations",
+     lambda t: ["--dtype", "bfloat16", "--kv-cache-dtype", "float16"], "needs --dtype float32"),
     ("max-num-seqs-zero", lambda t: ["--max-num-seqs", "0"], "max_num_seqs"),
     ("negative-drain-timeout", lambda t: ["--drain-timeout", "-1"], "--drain-timeout"),
     ("unknown-flag", lambda t: ["--no-such-flag"], "unrecognized arguments"),

@@ -292,6 +292,12 @@ def _check_serve_args(args: argparse.Namespace):
         if not ok:
             sys.exit(f"aioengine: error: {flag} {value:g} is out of range "
                      f"(see aioengine serve --help)")
+    if (args.kv_cache_dtype in ("float16", "bfloat16") and args.dtype != args.kv_cache_dtype
+            and args.dtype != "float32"):
+        # the worker refuses this too, but only after the model has loaded
+        sys.exit(f"aioengine: error: --kv-cache-dtype {args.kv_cache_dtype} needs --dtype "
+                 f"float32 (or --dtype {args.kv_cache_dtype}, or --kv-cache-dtype auto); "
+                 f"got --dtype {args.dtype}")
     args.api_keys = None
     if args.api_keys_file:
         from aioengine.entrypoints.quotas import load_api_keys
