@@ -54,6 +54,10 @@ def test_completions_and_chat_return_hf_beams(server):
     ({"stream": True}, "stream"),
     ({"temperature": 0.7}, "temperature"),
     ({"n": 0}, "n"),
+    # Widths past SamplingParams' n bound killed the worker (topk past the
+    # vocabulary, output ring overflow, msgpack int overflow): a 400 now.
+    ({"n": 1000}, "n"),
+    ({"n": 2**63}, "n"),
     ({"stop": ["."]}, "stop"),
     ({"top_p": 0.5}, "top_p"),
     ({"early_stopping": "sometimes"}, "early_stopping"),

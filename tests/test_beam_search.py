@@ -106,7 +106,8 @@ def test_ignore_eos_runs_every_beam_to_max_tokens(tiny_qwen2):
 
 
 @pytest.mark.parametrize("field,kwargs", [
-    ("beam_width", {"beam_width": 0}), ("max_tokens", {"max_tokens": 0}),
+    ("beam_width", {"beam_width": 0}), ("beam_width", {"beam_width": 129}),
+    ("beam_width", {"beam_width": 10**12}), ("max_tokens", {"max_tokens": 0}),
     ("temperature", {"temperature": 0.7}), ("early_stopping", {"early_stopping": "sometimes"}),
     ("length_penalty", {"length_penalty": float("nan")})])
 def test_bad_params_name_the_field(field, kwargs):

@@ -132,3 +132,30 @@ def test_sampling_with_n_keeps_working_beside_beams(default_llm):
     (again,) = default_llm.generate(["Hello there"], params, use_tqdm=False)
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+
+
+def test_beams_wider_than_max_num_seqs_survive_preemption(default_llm):
+    """8 beams, 4 seats, a cache far short of 8 sequences: beams are preempted
+    while their siblings wait with their candidates. The preempted beam used to
+    be locked out (the idle siblings filled every seat and held its blocks) and
+    the engine spun idle forever; now the search ends, as with room to spare."""
+    prompt = default_llm.tokenizer.encode("The history of the Roman empire " * 5)
+    params = BeamSearchParams(8, 70, ignore_eos=True)
+    (expected,) = default_llm.beam_search([prompt], params)
+    small = LLM(block_size=16, num_gpu_blocks_override=24, max_num_seqs=4, executor="inproc")
+    try:
+        engine = small.engine
+        engine.add_beam_search_request("tight", prompt, params)
+        outputs = []
+        for _ in range(2000):
+            if not engine.has_unfinished_requests():
+                break
+            outputs += [o for o in engine.step().request_outputs if o.finished]
+        assert not engine.has_unfinished_requests(), "the beam search hung"
+        assert engine.core.scheduler.stats.num_preemptions > 0
+        (out,) = outputs
+        assert [list(c.token_ids) for c in out.outputs] == [
+            s.tokens[len(prompt):] for s in expected.sequences]
+        assert small.stats().num_kv_blocks_used == 0
+    finally:
+        small.shutdown()

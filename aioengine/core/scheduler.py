@@ -256,7 +256,7 @@ class Scheduler:
                 (r.priority for r in self.running), default=request.priority
             ):
                 break
-            if len(self.running) >= self.config.max_num_seqs:
+            if self._num_seated() >= self.config.max_num_seqs:
                 if not self._preempt_for(request, step):
                     break
                 continue
@@ -266,11 +266,22 @@ class Scheduler:
                 break
             num_new = min(num_new, step.token_budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
-                if not self._preempt_for(request, step):
+                if not self._preempt_for(request, step) and not self._preempt_idle_for(
+                    request, step
+                ):
                     break
                 continue
             self.waiting.pop(index)
             self._admit(request, num_hit, num_new, step)
+
+    def _num_seated(self) -> int:
+        """Running requests that hold a seat of ``max_num_seqs``: a beam whose
+        token was taken back (``Request.pop_output_token``) has nothing to
+        compute until its siblings catch up, so it holds none. Counting it
+        deadlocked a beam search wider than ``max_num_seqs`` once one of its
+        beams was preempted: the idle siblings filled every seat, the preempted
+        beam could never be readmitted, and they waited for it forever."""
+        return sum(1 for r in self.running if r.num_computed_tokens < r.num_tokens)
 
     def _admit(self, request: Request, num_hit: int, num_new: int, step: _StepBuilder) -> None:
         """Move a waiting request whose blocks are allocated into ``running``."""
@@ -308,6 +319,24 @@ class Scheduler:
         if victim is None:
             return False
         self._preempt(victim, step)
+        return True
+
+    def _preempt_idle_for(self, request: Request, step: _StepBuilder) -> bool:
+        """Preempt a running request with nothing to compute (a beam waiting for
+        its siblings, its candidates kept by its group) that does not come
+        before ``request``; False if none. Without it a preempted beam whose
+        siblings held the blocks it needs waited for them while they waited for
+        it: the search and everything queued behind it hung."""
+        idle = [
+            r
+            for r in self.running
+            if r.num_computed_tokens >= r.num_tokens
+            and r.sort_key() >= request.sort_key()
+            and not self.kv_cache_manager.num_unwritten_shared_blocks(r)
+        ]
+        if not idle:
+            return False
+        self._preempt(max(idle, key=Request.sort_key), step)
         return True
 
     def _preempt(self, victim: Request, step: _StepBuilder | None = None) -> None:

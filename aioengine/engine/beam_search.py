@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 
 from aioengine.sampling_params import SamplingParamError
 
+MAX_BEAM_WIDTH = 128  # as SamplingParams' bound on n
+
 if TYPE_CHECKING:
     from aioengine.core.scheduler import Scheduler
     from aioengine.request import Request
@@ -74,9 +76,13 @@ class BeamSearchParams:
         return self.beam_width
 
     def __post_init__(self) -> None:
+        # Bounded as SamplingParams.n: every beam returns its top 2 * beam_width
+        # logprobs each step, so a huge width overflows the worker's output ring (or
+        # asks torch.topk for more tokens than the vocabulary) and kills the worker.
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) \
-                or self.beam_width < 1:
-            raise SamplingParamError("beam_width", f"beam_width must be an integer >= 1, got "
+                or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise SamplingParamError("beam_width", f"beam_width must be an integer in "
+                                                   f"[1, {MAX_BEAM_WIDTH}], got "
                                                    f"{self.beam_width!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
                 or self.max_tokens < 1:
