@@ -32,6 +32,15 @@ Q8_FORMATS = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
 Q8_ROWS = {QT.Q4_0: 2, QT.Q4_1: 2, QT.Q8_0: 8}
 
 
+@pytest.fixture(autouse=True)
+def restore_q8_activations():
+    """Every test leaves the process's switch as it found it (off unless the environment
+    asks): a test that ended with it on once made later modules' fp32 checks fail."""
+    before = cpu_ops.load().q8_activations()
+    yield
+    cpu_ops.set_q8_activations(before)
+
+
 @pytest.fixture
 def q8_on():
     before = cpu_ops.load().q8_activations()
