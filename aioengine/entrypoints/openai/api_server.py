@@ -24,7 +24,6 @@ its KV blocks are freed. Errors are OpenAI-shaped JSON (``protocol.APIError``).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -279,13 +278,6 @@ def _middleware(
     return middleware
 
 
-def _preimport_transformers() -> None:
-    # AsyncEngine.start loads the tokenizer and (in-process executor) the model
-    # in two threads at once; transformers' lazy module is not safe to import
-    # concurrently ("cannot import name 'AutoConfig'"), so import it first.
-    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
-
-
 def build_app(
     config: EngineConfig,
     *,
@@ -339,8 +331,6 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         t0 = time.perf_counter()
         try:
-            if engine_factory is None:
-                await asyncio.to_thread(_preimport_transformers)
             engine = await (engine_factory or AsyncEngine.start)(config)
         except Exception as exc:
             # For the caller (``aioengine serve`` reports it in one line); the
