@@ -103,7 +103,14 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 def spec(models: dict[str, str], draft: str, k: int = 4) -> dict:
-    return {"method": "draft_model", "model": models[draft], "num_speculative_tokens": k}
+    # Drafting at any batch size: the preemption and distribution tests run more
+    # requests than the default threshold (8).
+    return {
+        "method": "draft_model",
+        "model": models[draft],
+        "num_speculative_tokens": k,
+        "disable_by_batch_size": 0,
+    }
 
 
 def prompts() -> list[list[int]]:

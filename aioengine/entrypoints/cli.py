@@ -81,7 +81,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 4}\' (default: off)')
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
+                        '"model": "small.gguf", "num_speculative_tokens": 4}\' '
+                        '(default: off; docs/speculative_decoding.md)')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:

@@ -30,6 +30,8 @@ from typing import Any
 METHODS = ("ngram", "draft_model")
 # vLLM's defaults when neither bound is given (vllm/config/speculative.py).
 DEFAULT_PROMPT_LOOKUP = 5
+# Running requests at which drafting stops (ours; vLLM never stops by default).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,12 @@ class SpeculativeConfig:
             first; one given alone sets both, neither gives 5 and 5 (vLLM).
         disable_by_batch_size: no request drafts in a step when this many or
             more requests are running (vLLM's key); 0 never disables. A big
-            batch is compute-bound and gains little from verification.
+            batch is compute-bound and gains little from verification: on the
+            2-core dev machine 16 n-gram streams ran at 0.89x of no speculation
+            with no threshold. Our default is ``DEFAULT_DISABLE_BY_BATCH_SIZE``
+            (8; vLLM's is never): 8 decoding streams already fill the CPU's
+            matmul tiles (``bench/README.md``: 8 streams give about 5x the
+            batch-1 tokens/s), so drafting would multiply the step's rows.
         min_acceptance_rate: a request whose acceptance over its last
             ``window`` draft tokens falls below this stops drafting for
             ``cooldown_steps`` decode steps (doubling each time it happens
@@ -63,7 +70,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    disable_by_batch_size: int = 0
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = 0.2
     window: int = 16
     cooldown_steps: int = 16

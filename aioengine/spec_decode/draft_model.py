@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Catch-ups of at most this many tokens per request run as one-token decodes.
+EXPAND_MAX_QUERY = 8
+
 
 class DraftModelProposer:
     """The draft model, its paged KV cache and its proposals.
@@ -179,16 +182,32 @@ class DraftModelProposer:
         req_of_token = np.repeat(np.arange(len(num_query)), num_query)
         slots = tables[req_of_token, positions // bs] * bs + positions % bs
         max_k = int(seq_lens.max())
-        attn = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots),
-            block_tables=torch.from_numpy(
-                np.ascontiguousarray(tables[:, : -(-max_k // bs)].astype(np.int32))
-            ),
-            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            max_seqlen_q=int(num_query.max()),
-            max_seqlen_k=max_k,
-        )
+        width = -(-max_k // bs)
+        if 1 < int(num_query.max()) <= EXPAND_MAX_QUERY:
+            # Batch expansion (as the verifier scores drafts): each token a one-token
+            # decode over its request's blocks, so the fused decode layers take the
+            # step; a layer writes all tokens' K/V before attending, so it is causal.
+            attn = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots),
+                block_tables=torch.from_numpy(
+                    np.ascontiguousarray(tables[req_of_token, :width].astype(np.int32))
+                ),
+                cu_seqlens_q=torch.arange(len(positions) + 1, dtype=torch.int32),
+                seq_lens=torch.from_numpy((positions + 1).astype(np.int32)),
+                max_seqlen_q=1,
+                max_seqlen_k=max_k,
+            )
+        else:
+            attn = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots),
+                block_tables=torch.from_numpy(
+                    np.ascontiguousarray(tables[:, :width].astype(np.int32))
+                ),
+                cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
+                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+                max_seqlen_q=int(num_query.max()),
+                max_seqlen_k=max_k,
+            )
         hidden = self.model.forward(
             torch.from_numpy(token_ids), torch.from_numpy(positions), self.kv_cache, attn
         )
