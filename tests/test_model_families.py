@@ -12,7 +12,9 @@ all but the shortest longer than the sliding window). Tokens must equal HF
 ``generate``'s (the near-tie rule of DESIGN.md); the logprob of each of the first 8
 tokens must be within 1e-4 of HF's (both fp32). The GGUF file of the same weights
 (written as llama.cpp's converter writes it) must give the tokens of the safetensors
-folder.
+folder. Every family but partial-rotary Phi-3 decodes through the fused C++ step
+(``cpu_ops.LlamaDecodeLayers``); a spy on it checks every all-decode step took it, so
+for Qwen3 and Gemma 2/3 the tokens above are the fused path's, past the window.
 """
 
 from __future__ import annotations
