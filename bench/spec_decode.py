@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram) against no speculation, same run, same machine.
+"""Speculative decoding (n-gram or a draft model) against no speculation, same run, same machine.
 
 Workloads (greedy, the model's own EOS or ``--max-tokens``):
 
@@ -17,6 +17,18 @@ they matched. Prints the CPU model and SIMD flags; writes JSON and a PNG.
 
     python bench/spec_decode.py                  # full run (~10 min on 2 cores)
     python bench/spec_decode.py --quick          # a smoke run
+    python bench/spec_decode.py --method draft_model   # the default model drafts for itself
+
+``--method draft_model`` proposes with ``--draft-model`` (default: the default
+model's own GGUF, since no smaller model with SmolLM2's tokenizer is installed
+here). A model drafting for itself is an upper bound on acceptance (every
+greedy draft is accepted) and a worst case on draft cost (a draft step costs
+a target step): tokens/s is then at most ``(k + 1)`` tokens per ``k`` draft
+decodes plus one verification, below 1x; it measures the machinery's
+overhead at perfect acceptance, not the gain of a real small draft. With a
+draft costing a fraction ``c`` of the target and acceptance ``a`` per token,
+a step yields ``(1 - a^(k+1)) / (1 - a)`` tokens for about ``k c + v`` target
+steps (``v``: the verification's cost relative to a decode).
 """
 
 from __future__ import annotations
@@ -248,7 +260,13 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     x = range(len(labels))
     ax.bar([i - 0.2 for i in x], off, 0.4, label="no speculation")
-    ax.bar([i + 0.2 for i in x], on, 0.4, label=f"n-gram, k={report['config']['k']}")
+    config = report["config"]
+    method = config.get("method", "ngram")
+    if method == "ngram":
+        label = f"n-gram, k={config['k']}"
+    else:
+        label = f"draft model {Path(config['speculative_config']['model']).name}, k={config['k']}"
+    ax.bar([i + 0.2 for i in x], on, 0.4, label=label)
     for i, (a, b) in enumerate(zip(off, on)):
         ax.text(i + 0.2, b, f"x{b / a:.2f}", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(x), labels)
@@ -265,6 +283,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3,
                     help="num_speculative_tokens (3: the step's 4 tokens are one pass of the "
                          "quantized GEMV's 4-row tiles)")
+    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft model path for --method draft_model (default: the default "
+                         "model's own GGUF: an upper bound on acceptance, see above)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="no drafts while this many requests run (default: the config's, 8; "
+                         "0 never)")
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=400)
@@ -282,9 +307,17 @@ def main() -> None:
     print(f"CPU: {cpu['model']}  ({cpu['cpus']} cpus; {' '.join(cpu['simd_flags'])})")
     load = LoadTracker()
     load.sample()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k,
-            "prompt_lookup_min": args.prompt_lookup_min,
-            "prompt_lookup_max": args.prompt_lookup_max}
+    if args.method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.k,
+                "prompt_lookup_min": args.prompt_lookup_min,
+                "prompt_lookup_max": args.prompt_lookup_max}
+    else:
+        from aioengine.config import default_model_path
+
+        spec = {"method": "draft_model", "num_speculative_tokens": args.k,
+                "model": args.draft_model or default_model_path()}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     engines = {"off": LLM(executor="inproc"), "on": LLM(executor="inproc",
                                                          speculative_config=spec)}
     tok = engines["off"].tokenizer
@@ -310,7 +343,8 @@ def main() -> None:
     load.sample()
     report = {
         "cpu": cpu, "environment": environment(0, "float32"), "load": load.summary(),
-        "config": {"k": args.k, "prompt_lookup_min": args.prompt_lookup_min,
+        "config": {"method": args.method, "speculative_config": spec, "k": args.k,
+                   "prompt_lookup_min": args.prompt_lookup_min,
                    "prompt_lookup_max": args.prompt_lookup_max, "max_tokens": args.max_tokens,
                    "repeats": args.repeats},
         "grounded": grounded, "grounded_total": aggregate(grounded),

@@ -42,7 +42,7 @@ UNIT_MODULES = frozenset({
     "test_block_pool.py", "test_block_pool_property.py", "test_import_boundaries.py",
     "test_kv_fork_cow.py",
     "test_sampler.py", "test_scheduler.py", "test_shm_ring.py", "test_tool_parsers.py",
-    "test_unit_engine.py", "test_unit_http.py",
+    "test_unit_engine.py", "test_unit_http.py", "test_unit_router.py",
 })
 
 

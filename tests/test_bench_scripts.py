@@ -224,6 +224,10 @@ def test_quantized_ratios_and_table_put_ours_over_llama_cpp() -> None:
     assert "1.50x tok/s, TTFT 0.50x" in text
     assert "| batch-1 decode tok/s | 75.0 (LLM) | 50.0 (llama-bench, depth 100) | 1.50x |" in text
     assert "worker 300, server 100" in text and "1.50 s" in text
+    # The memory roofline row: each side's batch-1 figure over read bandwidth / weight bytes.
+    report["roofline"] = {"batch1_roofline_tokens_per_s": 150.0, "read_gbs": 15.0,
+                          "decode_weight_mb": 100.0}
+    assert "| 50% | 33% |" in table(report)
     # Ours only (no llama-server found): no ratios, llama.cpp's cells say n/a.
     alone = {"aioengine": ours, "args": {"threads": 2}, "n_slots": 8}
     alone["ratios"] = ratios(alone)
@@ -267,6 +271,13 @@ def test_quantized_script_measures_ours_without_llama_cpp(tmp_path: Path) -> Non
         for metric in ("ttft", "tpot", "itl", "e2e"):
             assert set(run[metric]) == LATENCY_KEYS
     assert server["worker_memory"]["rss_mib"] > 0 and server["server_memory"]["rss_mib"] > 0
+    # KV cache matched to llama-server's: float16, 2 slots x (8 + 3 + 32) tokens = 6 blocks.
+    assert report["kv_cache"]["server_args"] == ["--kv-cache-dtype", "float16",
+                                                 "--num-gpu-blocks-override", "6"]
+    roof = report["roofline"]
+    assert roof["read_gbs"] > 0 and 50 < roof["decode_weight_mb"] < 200
+    assert roof["batch1_roofline_tokens_per_s"] == pytest.approx(
+        roof["read_gbs"] * 1e3 / roof["decode_weight_mb"])
     # The killed worker was restarted and answered again.
     assert server["restart"]["serving_again_s"] > 0
     assert report["cpu"]["model"] and "aioengine serve" in report["table_markdown"]

@@ -16,8 +16,10 @@ from aioengine import LLM, SamplingParams
 from aioengine.entrypoints.metrics import _StatsCollector
 from tests.parity import NEAR_TIE, top2_gap
 
+# Drafting at any batch size (the default stops at 8 running requests): the
+# preemption and distribution tests run more requests than that.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4}
+        "prompt_lookup_max": 4, "disable_by_batch_size": 0}
 
 CODE = ("def fibonacci(n):\n    if n < 2:\n        return n\n    a, b = 0, 1\n"
         "    for _ in range(n - 1):\n        a, b = b, a + b\n    return b\n\n"
@@ -202,7 +204,7 @@ def test_sampled_tokens_keep_the_target_distribution(engines):
     off, _ = engines
     on = LLM(executor="inproc", max_num_seqs=64, speculative_config={
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3})
+        "prompt_lookup_max": 3, "disable_by_batch_size": 0})
     prompt = chat_ids(on, GROUNDED[1])
 
     def top3(prefix: list[int]) -> dict[int, float]:

@@ -158,3 +158,25 @@ def test_ineligible_requests_never_draft():
         Request("a", [1], SamplingParams(min_tokens=3), 5, None))
     assert SpecDecodeScheduler.can_speculate(
         Request("a", [1], SamplingParams(temperature=0.8, top_p=0.9), 5, None))
+
+
+def test_no_drafts_while_disable_by_batch_size_requests_run():
+    """The default stops drafting at 8 running requests (vLLM's
+    ``disable_by_batch_size``; vLLM's default never stops): with 8 running no
+    request is verified with drafts; once one has finished, the other 7 are."""
+    cfg = SpeculativeConfig(num_speculative_tokens=2)
+    assert cfg.disable_by_batch_size == 8
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256), kv, MAX_MODEL_LEN,
+                      lambda r: None, cfg)
+    for i in range(8):
+        params = SamplingParams(temperature=0, max_tokens=3 if i == 0 else 40, ignore_eos=True)
+        sched.add_request(Request(f"r{i}", [1 + i, 2, 3], params, params.max_tokens, None))
+    counts = []
+    for _ in range(8):
+        before = sched.spec.stats.num_draft_tokens
+        running = len(sched.running) + len(sched.waiting)
+        run_step(sched, lambda t: continuation(t, 2))
+        counts.append((running, sched.spec.stats.num_draft_tokens - before))
+    assert [d for n, d in counts if n == 8] == [0, 0, 0], counts
+    assert [d for n, d in counts if n == 7][:3] == [14, 14, 14], counts

@@ -152,11 +152,21 @@ class AsyncEngine:
         )
         logger.info("model %s: %s", self.model_path, self.model_info.describe())
         # Importing transformers from two threads at once can fail half-way
-        # (``cannot import name 'AutoConfig'``): import it once here first.
-        await asyncio.to_thread(importlib.import_module, "transformers")
-        tokenizer_future = asyncio.to_thread(load_tokenizer, self.model_path)
-        executor_future = asyncio.to_thread(make_executor, config)
-        self.tokenizer, self.executor = await asyncio.gather(tokenizer_future, executor_future)
+        # (``cannot import name 'AutoConfig'``): the in-process executor loads
+        # the model with it, so import it once here first.
+        if config.parallel.executor == "inproc":
+            await asyncio.to_thread(importlib.import_module, "transformers")
+        # The worker subprocess is the slow half of start-up (it imports
+        # torch): spawn it first, then build the tokenizer while it starts.
+        executor_future = asyncio.ensure_future(asyncio.to_thread(make_executor, config))
+        try:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
+        except BaseException:
+            started = await asyncio.gather(executor_future, return_exceptions=True)
+            if isinstance(started[0], Executor):
+                await asyncio.to_thread(started[0].shutdown)
+            raise
+        self.executor = await executor_future
         self._begin_serving()
         return self
 

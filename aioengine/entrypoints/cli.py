@@ -78,10 +78,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many worker processes "
                         "(torch.distributed; default: %(default)s)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each with its own scheduler, KV cache and worker(s), "
+                        "behind one API server; requests go to the replica holding the "
+                        "longest cached prefix, else the least loaded (default: %(default)s)")
+    g.add_argument("--data-parallel-routing", default="prefix",
+                   choices=["prefix", "round_robin"],
+                   help="how requests are spread over the replicas (default: %(default)s)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 4}\' (default: off)')
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
+                        '"model": "small.gguf", "num_speculative_tokens": 4}\' '
+                        '(default: off; docs/speculative_decoding.md)')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -99,8 +108,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_waiting_requests": args.max_waiting_requests,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         # generate runs in this process unless the model is split over workers.
-        "executor": args.executor or ("process" if args.tensor_parallel_size > 1 else "inproc"),
+        "executor": args.executor or ("process" if args.tensor_parallel_size > 1
+                                      or args.data_parallel_size > 1 else "inproc"),
         "num_threads": args.num_threads, "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "data_parallel_routing": args.data_parallel_routing,
         "standby_worker": args.standby_worker,
         "speculative_config": args.speculative_config,
     }

@@ -30,6 +30,7 @@ from prometheus_client.core import (
 )
 
 from aioengine.engine.async_engine import AsyncEngine
+from aioengine.engine.data_parallel import DPAsyncEngine
 from aioengine.entrypoints.quotas import QuotaManager
 
 # (EngineStats field, metric name, help, is_counter)
@@ -81,36 +82,51 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class _StatsCollector:
-    """Reads ``engine.stats()`` at every scrape (never a stale copy)."""
+def replicas_of(engine: AsyncEngine | DPAsyncEngine) -> list[AsyncEngine]:
+    """The engine's replicas in rank order: itself, or a ``DPAsyncEngine``'s."""
+    return engine.replicas if isinstance(engine, DPAsyncEngine) else [engine]
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+
+class _StatsCollector:
+    """Reads each replica's ``stats()`` at every scrape (never a stale copy); every
+    series has an ``engine`` label, the replica's rank (vLLM's label for data
+    parallelism; ``"0"`` with one engine), so ``sum by (model_name)`` is the total."""
+
+    def __init__(self, engine: AsyncEngine | DPAsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats()
+        replicas = replicas_of(self.engine)
+        if isinstance(self.engine, DPAsyncEngine):
+            per_replica = self.engine.replica_stats()
+        else:
+            per_replica = [self.engine.stats()]
+        labels = [[self.model_name, str(rank)] for rank in range(len(replicas))]
         for field, name, help_text, is_counter in _STATS_METRICS:
             family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
-                f"aioengine:{name}", help_text, labels=["model_name"])
-            family.add_metric([self.model_name], getattr(stats, field))
+                f"aioengine:{name}", help_text, labels=["model_name", "engine"])
+            for label, stats in zip(labels, per_replica, strict=True):
+                family.add_metric(label, getattr(stats, field))
             yield family
         per_pos = CounterMetricFamily("aioengine:spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
-                                      labels=["model_name", "position"])
-        for pos, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
-            per_pos.add_metric([self.model_name, str(pos)], n)
+                                      labels=["model_name", "engine", "position"])
+        for label, stats in zip(labels, per_replica, strict=True):
+            for pos, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([*label, str(pos)], n)
         yield per_pos
         healthy = GaugeMetricFamily("aioengine:engine_healthy",
                                     "1 while the engine serves requests, 0 while its worker "
-                                    "restarts or the server drains.", labels=["model_name"])
-        healthy.add_metric([self.model_name],
-                           float(self.engine.healthy and not self.engine.draining))
-        yield healthy
+                                    "restarts or the server drains.",
+                                    labels=["model_name", "engine"])
         restarts = CounterMetricFamily("aioengine:worker_restarts",
                                        "Times the model worker died and was restarted.",
-                                       labels=["model_name"])
-        restarts.add_metric([self.model_name], self.engine.num_worker_restarts)
+                                       labels=["model_name", "engine"])
+        for label, replica in zip(labels, replicas, strict=True):
+            healthy.add_metric(label, float(replica.healthy and not replica.draining))
+            restarts.add_metric(label, replica.num_worker_restarts)
+        yield healthy
         yield restarts
 
 
@@ -156,7 +172,8 @@ class EngineMetrics:
         quotas: the server's API keys, for the per-key counters (``api_key_*``).
     """
 
-    def __init__(self, engine: AsyncEngine, quotas: QuotaManager | None = None) -> None:
+    def __init__(self, engine: AsyncEngine | DPAsyncEngine, quotas: QuotaManager | None = None
+                 ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         model_name = engine.served_model_name
         self.registry.register(_StatsCollector(engine, model_name))

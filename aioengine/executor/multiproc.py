@@ -77,10 +77,14 @@ def _main_module_hidden():
 
 
 def _threads_per_rank(config: EngineConfig) -> int:
-    """Torch intra-op threads of each worker; 0 leaves torch's default (one worker)."""
-    if config.parallel.num_threads or config.parallel.tensor_parallel_size == 1:
-        return config.parallel.num_threads
-    return max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size)
+    """Torch intra-op threads of each worker; 0 leaves torch's default (one worker).
+    With several workers (tensor-parallel ranks times data-parallel replicas)
+    the cores are divided among them."""
+    p = config.parallel
+    workers = p.tensor_parallel_size * p.data_parallel_size
+    if p.num_threads or workers == 1:
+        return p.num_threads
+    return max(1, (os.cpu_count() or 1) // workers)
 
 
 class MultiprocExecutor(Executor):

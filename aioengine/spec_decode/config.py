@@ -1,11 +1,16 @@
 """``SpeculativeConfig``: vLLM's ``--speculative-config`` JSON, validated.
 
-The keys are vLLM's (``method``, ``num_speculative_tokens``,
+The keys are vLLM's (``method``, ``model``, ``num_speculative_tokens``,
 ``prompt_lookup_min``, ``prompt_lookup_max``, ``disable_by_batch_size``), so
 a command line written for ``vllm serve`` works here::
 
     aioengine serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    aioengine serve --speculative-config '{"method": "draft_model", "model": "small.gguf",
+                                           "num_speculative_tokens": 4}'
+
+As in vLLM, a ``model`` with no ``method`` means ``draft_model``, and no
+``model`` and no ``method`` means ``ngram``.
 
 Two keys are ours: ``min_acceptance_rate`` and ``cooldown_steps`` drive the
 adaptive off-switch (``spec_decode.adaptive``): a request whose recent drafts
@@ -16,13 +21,17 @@ low-acceptance workload much slower.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's defaults when neither bound is given (vllm/config/speculative.py).
 DEFAULT_PROMPT_LOOKUP = 5
+# Running requests at which drafting stops (ours; vLLM never stops by default).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -31,14 +40,23 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"ngram"`` (prompt lookup: propose what followed the last
-            n tokens where they occurred before in the prompt or output).
-            ``"draft_model"`` is not implemented and is refused.
+            n tokens where they occurred before in the prompt or output) or
+            ``"draft_model"`` (a smaller model with the target's tokenizer
+            proposes autoregressively, ``spec_decode.draft_model``). None:
+            ``draft_model`` when ``model`` is given, else ``ngram`` (vLLM).
+        model: the draft model's path (HF folder or GGUF file), for
+            ``draft_model`` only; it must exist.
         num_speculative_tokens: most draft tokens verified per request and step.
         prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest
             first; one given alone sets both, neither gives 5 and 5 (vLLM).
         disable_by_batch_size: no request drafts in a step when this many or
             more requests are running (vLLM's key); 0 never disables. A big
-            batch is compute-bound and gains little from verification.
+            batch is compute-bound and gains little from verification: on the
+            2-core dev machine 16 n-gram streams ran at 0.89x of no speculation
+            with no threshold. Our default is ``DEFAULT_DISABLE_BY_BATCH_SIZE``
+            (8; vLLM's is never): 8 decoding streams already fill the CPU's
+            matmul tiles (``bench/README.md``: 8 streams give about 5x the
+            batch-1 tokens/s), so drafting would multiply the step's rows.
         min_acceptance_rate: a request whose acceptance over its last
             ``window`` draft tokens falls below this stops drafting for
             ``cooldown_steps`` decode steps (doubling each time it happens
@@ -47,20 +65,30 @@ class SpeculativeConfig:
         cooldown_steps: first pause, in decode steps.
     """
 
-    method: str = "ngram"
+    method: str | None = None
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    disable_by_batch_size: int = 0
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = 0.2
     window: int = 16
     cooldown_steps: int = 16
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model" or (self.method not in METHODS):
-            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}"
-                             + (" (draft models are not implemented yet)"
-                                if self.method in ("draft_model", "eagle", "medusa") else ""))
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError('speculative method "draft_model" needs "model": the draft '
+                                 "model's path")
+            if not os.path.exists(self.model):
+                raise ValueError(f"speculative draft model {self.model!r} does not exist")
+        elif self.model is not None:
+            raise ValueError(f'speculative "model" is for method "draft_model", not '
+                             f"{self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be a positive integer, got "
                              f"{self.num_speculative_tokens!r}")
@@ -111,3 +139,46 @@ class SpeculativeConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
         return cls.from_dict(value)
+
+
+def check_draft_model(target_path: str, draft_path: str) -> None:
+    """Refuse a draft model that cannot propose for the target: its vocabulary
+    (embedding rows, ``vocab_size``) and its tokenizer's token-to-id map must be
+    the target's, or draft token ids would mean other tokens (and the draft
+    distributions ``q`` another vocabulary). Torch-free: it runs in the engine
+    process before the worker starts; the result is cached per file version.
+
+    Raises:
+        ValueError: one line naming both sizes, or the first differing token.
+    """
+    if not os.path.exists(target_path):
+        return  # the target's own check reports it
+    _check_draft_model(target_path, draft_path, _file_version(target_path),
+                       _file_version(draft_path))
+
+
+def _file_version(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=8)
+def _check_draft_model(target_path: str, draft_path: str, *_versions: object) -> None:
+    from aioengine.models.loader import load_hf_config
+    from aioengine.tokenizer import load_tokenizer
+
+    try:
+        sizes = [int(load_hf_config(p).vocab_size) for p in (target_path, draft_path)]
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"speculative draft model {draft_path!r} cannot be read: "
+                         f"{str(exc).splitlines()[0]}") from None
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"speculative draft model {draft_path!r} has a vocabulary of "
+                         f"{sizes[1]} tokens, the target {sizes[0]}: the draft needs the "
+                         f"target's tokenizer")
+    target, draft = (load_tokenizer(p).get_vocab() for p in (target_path, draft_path))
+    if target != draft:
+        differ = sorted(set(target.items()) ^ set(draft.items()), key=lambda kv: kv[1])[0]
+        raise ValueError(f"speculative draft model {draft_path!r} has another tokenizer than "
+                         f"the target (token {differ[0]!r} is id {target.get(differ[0])} in "
+                         f"the target, {draft.get(differ[0])} in the draft)")

@@ -160,8 +160,16 @@ def verify(runner: ModelRunner, logits: torch.Tensor, states: list[CachedRequest
         drafts = torch.from_numpy(np.concatenate([
             runner.token_ids[s.row, s.num_tokens:s.num_tokens + n]
             for s, n in zip(spec_states, k.tolist())]))
+        draft_probs = None
+        if probs is not None:  # a draft model's q for its sampled drafts (n-gram: none)
+            qs = [runner.drafter.draft_probs(s, runner.token_ids[s.row, s.num_tokens:
+                                                                 s.num_tokens + n])
+                  for s, n in zip(spec_states, k.tolist())]
+            if any(q is not None for q in qs):
+                draft_probs = torch.cat([q if q is not None else probs.new_zeros(n, probs.shape[1])
+                                         for q, n in zip(qs, k.tolist())])
         spec_tokens, acc = rejection_sample(probs, argmax, drafts, k.tolist(), greedy,
-                                            [s.generator for s in spec_states])
+                                            [s.generator for s in spec_states], draft_probs)
         tokens[torch.from_numpy(spec)] = spec_tokens
         num_accepted[spec] = acc.numpy()
     return tokens, num_accepted, logprobs_out
@@ -212,3 +220,7 @@ class DraftProposer:
             rows.append(token_ids[s.row, :s.num_tokens])
             caps.append(self.max_model_len - s.num_tokens if eligible else 0)
         return self.ngram.propose(rows, caps)
+
+    def draft_probs(self, state: CachedRequestState, drafts: np.ndarray) -> None:
+        """N-gram drafts are point masses: no ``q``."""
+        return None

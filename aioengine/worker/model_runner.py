@@ -113,6 +113,12 @@ class CachedRequestState:
     num_blocks: int
     sampling: SamplingMetadata
     generator: torch.Generator
+    # Draft-model speculation (spec_decode.draft_model): draft K/V valid before
+    # this position, the last proposal (n, drafts, end of its real blocks) and
+    # its draft distributions q [k, vocab] for a sampled request.
+    draft_num_computed: int = 0
+    draft_pending: tuple[int, list[int], int] | None = None
+    draft_probs: torch.Tensor | None = None
 
 
 def grammar_bitmask_rows(so: SchedulerOutput, sampling_states: list[CachedRequestState]
@@ -206,8 +212,13 @@ class ModelRunner:
         self.token_ids = np.zeros((0, self.max_model_len + 1), dtype=np.int64)
         self.block_table = np.zeros((0, self.max_blocks_per_seq), dtype=np.int32)
         self._grow(max(8, config.scheduler.max_num_seqs))
-        self.drafter = (verifier.DraftProposer(config.speculative, self.max_model_len)
-                        if config.speculative is not None else None)
+        self.drafter = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            from aioengine.spec_decode.draft_model import DraftModelProposer
+
+            self.drafter = DraftModelProposer(config, self)
+        elif config.speculative is not None:
+            self.drafter = verifier.DraftProposer(config.speculative, self.max_model_len)
         self.load_time = time.perf_counter() - t0
         logger.info("model ready: %d blocks of %d tokens (KV cache %s), %.1f s", self.num_blocks,
                     self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
@@ -263,6 +274,7 @@ class ModelRunner:
             ids = cached.new_block_ids
             if cached.resumed:
                 state.num_blocks = 0
+                state.draft_num_computed, state.draft_pending = 0, None
             for index, block_id in cached.cow_block_ids:
                 self.block_table[state.row, index] = block_id
             self.block_table[state.row, state.num_blocks:state.num_blocks + len(ids)] = ids
@@ -282,8 +294,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         if so.copy_blocks:
             # Copy-on-write: before this step's forward writes into the copies.
-            triton_kernels.copy_blocks(self.kv_cache,
-                                       torch.tensor(so.copy_blocks, dtype=torch.int64))
+            pairs = torch.tensor(so.copy_blocks, dtype=torch.int64)
+            triton_kernels.copy_blocks(self.kv_cache, pairs)
+            if hasattr(self.drafter, "kv_cache"):  # a draft model's cache mirrors the blocks
+                triton_kernels.copy_blocks(self.drafter.kv_cache, pairs)
         states = self._update_states(so)
         if not states:
             return ModelRunnerOutput(so.step_id, [], None, 0.0, 0.0)

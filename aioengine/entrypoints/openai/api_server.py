@@ -24,7 +24,6 @@ its KV blocks are freed. Errors are OpenAI-shaped JSON (``protocol.APIError``).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -44,6 +43,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from aioengine.config import EngineConfig
+from aioengine.engine.data_parallel import DPAsyncEngine
 from aioengine.entrypoints.limits import BodyReadTimeoutMiddleware, ConnectionLimits
 from aioengine.entrypoints.openai.middleware import (
     APIKeyMiddleware,
@@ -142,10 +142,13 @@ async def health(request: Request) -> Response:
 async def engine_stats(request: Request) -> Response:
     """``EngineStats`` as JSON; ``?block_map=1`` fills ``block_usage_map``."""
     serving = _serving(request)
-    stats = serving.engine.stats(
-        include_block_map=request.query_params.get("block_map") in ("1", "true")
-    )
-    return JSONResponse(dataclasses.asdict(stats))
+    include_block_map = request.query_params.get("block_map") in ("1", "true")
+    engine = serving.engine
+    body = dataclasses.asdict(engine.stats(include_block_map=include_block_map))
+    if isinstance(engine, DPAsyncEngine):  # the totals above, each replica's below
+        body["replicas"] = [dataclasses.asdict(s) for s in engine.replica_stats(include_block_map)]
+        body["routing"] = dict(engine.router.decisions)
+    return JSONResponse(body)
 
 
 async def reset_prefix_cache(request: Request) -> Response:
@@ -279,13 +282,6 @@ def _middleware(
     return middleware
 
 
-def _preimport_transformers() -> None:
-    # AsyncEngine.start loads the tokenizer and (in-process executor) the model
-    # in two threads at once; transformers' lazy module is not safe to import
-    # concurrently ("cannot import name 'AutoConfig'"), so import it first.
-    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
-
-
 def build_app(
     config: EngineConfig,
     *,
@@ -339,9 +335,12 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         t0 = time.perf_counter()
         try:
-            if engine_factory is None:
-                await asyncio.to_thread(_preimport_transformers)
-            engine = await (engine_factory or AsyncEngine.start)(config)
+            if engine_factory is not None:
+                engine = await engine_factory(config)
+            elif config.parallel.data_parallel_size > 1:
+                engine = await DPAsyncEngine.start(config)
+            else:
+                engine = await AsyncEngine.start(config)
         except Exception as exc:
             # For the caller (``aioengine serve`` reports it in one line); the
             # traceback is for --log-level debug.
