@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -785,3 +787,34 @@ def test_real_answer_with_code_renders_as_markdown(server, chat: ChatPage):
     assert "```" not in content.inner_text()
     assert chat.page.evaluate("window.__codeWhileStreaming")
     assert not chat.errors and not chat.dialogs
+
+
+def test_the_block_grid_shades_blocks_shared_by_n_samples(server, chat: ChatPage):
+    """An ``n = 2`` completion forks its prompt's blocks: while it runs, the
+    engine panel's grid shows them as shared (``b3``), as the server counts them."""
+
+    _wait_idle(server)
+    chat.open(server)
+    chat.wait_ready()
+    body = {"prompt": "Tell me a long story about the sea. " * 8, "n": 2, "max_tokens": 150,
+            "temperature": 1.0, "seed": 1, "ignore_eos": True}
+    client = httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120)
+
+    def post():
+        try:
+            client.post("/v1/completions", json=body)
+        except httpx.HTTPError:
+            pass  # closed below: the server aborts the request
+
+    worker = threading.Thread(target=post, daemon=True)
+    worker.start()
+    try:
+        stats = server.wait_for_stats(lambda s: s["num_kv_blocks_shared"] > 0, timeout=30)
+        assert stats["num_kv_blocks_shared"] > 0, stats
+        chat.page.wait_for_function(
+            "() => document.querySelectorAll('#block-grid i.b3').length > 0", timeout=10_000)
+    finally:
+        client.close()
+        worker.join(timeout=30)
+    _wait_idle(server)
+    assert not chat.errors

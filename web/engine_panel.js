@@ -40,7 +40,7 @@ export class EnginePanel {
       // A square standing for several blocks shows the busiest of them.
       let v = 0;
       const end = Math.min(map.length, (c + 1) * this.scale);
-      for (let b = c * this.scale; b < end && v < 2; b++) v = Math.max(v, map[b]);
+      for (let b = c * this.scale; b < end && v < 3; b++) v = Math.max(v, map[b]);
       const cls = `b${v}`;
       if (this.cells[c].className !== cls) this.cells[c].className = cls;
     }

@@ -468,9 +468,10 @@ class EngineCore:
         )
 
     def block_usage_map(self) -> list[int]:
-        """Per block: 0 free, 1 free but holding a cached prefix, 2 in use."""
+        """Per block: 0 free, 1 free but holding a cached prefix, 2 in use, 3 in
+        use by more than one request (a fork or a prefix-cache hit)."""
         return [
-            2 if b.ref_cnt else (1 if b.block_hash is not None else 0)
+            (3 if b.ref_cnt > 1 else 2) if b.ref_cnt else (1 if b.block_hash is not None else 0)
             for b in self.kv_cache_manager.block_pool.blocks
         ]
 
