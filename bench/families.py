@@ -6,8 +6,9 @@ transformers ``generate`` on the same weights, one run each.
 - batch-1 decode tok/s: one prompt, ``--tokens`` greedy tokens, after the first;
 - 8-stream throughput: 8 prompts of equal length decoded together, output tokens / wall s.
 
-Neither family runs the fused C++ decode step (Q/K norms; Gemma's norms and windows:
-see docs/models.md), so this is the Python layer loop against HF's.
+Both families' decode steps run the fused C++ decode step (``cpu_ops.LlamaDecodeLayers``
+with Q/K norms; Gemma's sandwich norms, GeGLU, windows and per-layer RoPE: see
+docs/models.md); prefill steps run the Python layer loop.
 
     python bench/families.py [--tokens 64] [--out bench/results/families.json]
 

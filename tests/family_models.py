@@ -103,7 +103,7 @@ class Family:
     config: dict[str, Any]
     gguf_arch: str
     template: str
-    fused_decode: bool           # the C++ decode step runs it
+    fused_decode: bool           # the C++ decode step runs it (all but partial rotary)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -114,24 +114,24 @@ FAMILIES = {
                          "original_max_position_embeddings": 64},
         tie_word_embeddings=False), "llama", LLAMA3_TEMPLATE, True),
     "mistral": Family("mistral", "MistralConfig", dict(
-        sliding_window=WINDOW, head_dim=16, tie_word_embeddings=False), "llama", CHATML, False),
+        sliding_window=WINDOW, head_dim=16, tie_word_embeddings=False), "llama", CHATML, True),
     "qwen2": Family("qwen2", "Qwen2Config", dict(
         tie_word_embeddings=True, rope_parameters={"rope_type": "default",
                                                    "rope_theta": 1000000.0}),
         "qwen2", CHATML, True),
     "qwen3": Family("qwen3", "Qwen3Config", dict(
-        head_dim=32, tie_word_embeddings=True), "qwen3", CHATML, False),
+        head_dim=32, tie_word_embeddings=True), "qwen3", CHATML, True),
     "gemma2": Family("gemma2", "Gemma2Config", dict(
         head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
         attn_logit_softcapping=5.0, final_logit_softcapping=3.0), "gemma2", GEMMA_TEMPLATE,
-        False),
+        True),
     "gemma3": Family("gemma3", "Gemma3TextConfig", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0,
                                             "rope_theta": 1000000.0}}),
-        "gemma3", GEMMA_TEMPLATE, False),
+        "gemma3", GEMMA_TEMPLATE, True),
     "phi3": Family("phi3", "Phi3Config", dict(
         # LongRoPE's short factors below 128 positions (every test sequence), the long
         # ones past it; max / original sets the attention factor.

@@ -12,13 +12,17 @@ all but the shortest longer than the sliding window). Tokens must equal HF
 ``generate``'s (the near-tie rule of DESIGN.md); the logprob of each of the first 8
 tokens must be within 1e-4 of HF's (both fp32). The GGUF file of the same weights
 (written as llama.cpp's converter writes it) must give the tokens of the safetensors
-folder.
+folder. Every family but partial-rotary Phi-3 decodes through the fused C++ step
+(``cpu_ops.LlamaDecodeLayers``); a spy on it checks every all-decode step took it, so
+for Qwen3 and Gemma 2/3 the tokens above are the fused path's, past the window.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from functools import lru_cache
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -109,18 +113,38 @@ def hf_reference(model, ids: list[int]):
 _runs: dict[tuple[str, str], list] = {}
 
 
+@contextmanager
+def fused_step_spy():
+    """Yields a list that gets, for each step offered to the fused C++ decode layers
+    (``cpu_ops.LlamaDecodeLayers.forward``, in this process), ``(all_decodes, taken)``."""
+    steps: list[tuple[bool, bool]] = []
+    real = cpu_ops.LlamaDecodeLayers.forward
+
+    def forward(self, residual, cos, sin, kv_cache, plan, scale):
+        out = real(self, residual, cos, sin, kv_cache, plan, scale)
+        steps.append((plan is not None and plan.prefill is None, out is not None))
+        return out
+
+    with patch.object(cpu_ops.LlamaDecodeLayers, "forward", forward):
+        yield steps
+
+
 def run(name: str, kind: str, workdir, **overrides):
+    """``(completions, fused, max_model_len, steps)``: ``fused`` whether the model built
+    the C++ decode step, ``steps`` what ``fused_step_spy`` saw (inproc executor)."""
     key = (name, kind)
     if key not in _runs or overrides:
         _, folder, path = built(name, workdir)
-        llm = LLM(str(folder if kind == "hf" else path), **(ENGINE | overrides))
-        try:
-            outs = llm.generate(prompt_ids(), GREEDY, use_tqdm=False)
-            runner = getattr(llm.executor, "runner", None)
-            fused = runner is not None and runner.model.decode_layers is not None
-            result = ([o.outputs[0] for o in outs], fused, llm.executor.max_model_len)
-        finally:
-            llm.shutdown()
+        with fused_step_spy() as steps:
+            llm = LLM(str(folder if kind == "hf" else path), **(ENGINE | overrides))
+            try:
+                outs = llm.generate(prompt_ids(), GREEDY, use_tqdm=False)
+                runner = getattr(llm.executor, "runner", None)
+                fused = runner is not None and runner.model.decode_layers is not None
+                result = ([o.outputs[0] for o in outs], fused, llm.executor.max_model_len,
+                          list(steps))
+            finally:
+                llm.shutdown()
         if overrides:
             return result
         _runs[key] = result
@@ -145,16 +169,19 @@ def assert_matches_hf(name: str, completions, model) -> None:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_tokens_and_logprobs_match_hf(name, workdir):
     model, _, _ = built(name, workdir)
-    completions, fused, _ = run(name, "hf", workdir)
+    completions, fused, _, steps = run(name, "hf", workdir)
     assert_matches_hf(name, completions, model)
     if cpu_ops.load() is not None:  # the C++ decode step where it computes the family's block
         assert fused == FAMILIES[name].fused_decode, (name, fused)
+        if fused:  # every all-decode step took it: the tokens above came through it
+            decodes = [taken for all_decodes, taken in steps if all_decodes]
+            assert len(decodes) >= NEW_TOKENS - 2 and all(decodes), (name, steps)
 
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if n not in NO_GGUF])
 def test_gguf_gives_the_tokens_of_the_safetensors_folder(name, workdir):
-    hf_completions, _, _ = run(name, "hf", workdir)
-    gguf_completions, _, _ = run(name, "gguf", workdir)
+    hf_completions, *_ = run(name, "hf", workdir)
+    gguf_completions, *_ = run(name, "gguf", workdir)
     ties = []
     for text, a, b in zip(TEXTS, gguf_completions, hf_completions):
         ties.append(assert_greedy_parity(
@@ -176,7 +203,7 @@ def test_max_model_len_is_the_models_own(workdir):
 @pytest.mark.parametrize("name", ["qwen3", "gemma3"])
 def test_tensor_parallel_2_matches_hf(name, workdir):
     model, _, _ = built(name, workdir)
-    completions, _, _ = run(name, "hf", workdir, executor="process", tensor_parallel_size=2)
+    completions, *_ = run(name, "hf", workdir, executor="process", tensor_parallel_size=2)
     assert_matches_hf(f"{name} tp2", completions, model)
 
 

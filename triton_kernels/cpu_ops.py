@@ -310,8 +310,15 @@ def weight_parts(weight) -> tuple[list[torch.Tensor], list[int], int] | None:
     return parts, qtypes, widths.pop()
 
 
+#: The optional per-layer weights of ``LlamaDecodeLayers`` (HF names).
+OPTIONAL_LAYER_WEIGHTS = ("q_norm", "k_norm", "pre_feedforward_layernorm",
+                          "post_feedforward_layernorm")
+_LAYER_TUPLE = ("input_layernorm", "post_attention_layernorm", "qkv_proj", "qkv_bias", "o_proj",
+                "gate_up_proj", "down_proj")
+
+
 class LlamaDecodeLayers:
-    """A Llama-family model's decoder layers for a decode step, in one C++ call.
+    """A decoder-only model's layers for a decode step, in one C++ call.
 
     Between two weight-streaming matmuls every small op of the Python forward starts with
     cold caches and costs 30-40 us instead of a few; at batch 1 on the dev machine that
@@ -320,15 +327,32 @@ class LlamaDecodeLayers:
     cache write, paged decode attention, SwiGLU) without returning to Python (the "no
     bubbles" idea of decode megakernels; Hazy Research, "Look Ma, No Bubbles!", 2025).
 
+    One kernel for Llama's block and the families' twists, each a per-layer option:
+    Qwen3's per-head Q/K RMSNorm, Gemma's sandwich norms (``pre_/post_feedforward_layernorm``
+    given: ``post_attention_layernorm`` then norms the attention output before the
+    residual add), GeGLU, sliding windows, per-layer RoPE tables and Gemma 2's
+    attention-logit soft-capping.
+
     Args:
-        layers: per layer ``(input_layernorm [hidden], post_attention_layernorm [hidden],
-            qkv_proj [(H + 2 * KVH) * D, hidden], qkv_bias or None, o_proj [hidden, H * D],
-            gate_up_proj [2 * I, hidden], down_proj [hidden, I])``; each projection a dense
-            fp32 tensor, a ``quant.QuantizedWeight`` or a tuple of parts whose outputs are
-            concatenated (``quant.fuse_rows``; Q4_K_M files mix Q4_K and Q6_K in QKV).
+        layers: per layer a mapping by HF name, or the tuple ``(input_layernorm,
+            post_attention_layernorm, qkv_proj, qkv_bias, o_proj, gate_up_proj,
+            down_proj)``: norms ``[hidden]``, ``qkv_proj [(H + 2 * KVH) * D, hidden]``,
+            ``qkv_bias [(H + 2 * KVH) * D]`` or None, ``o_proj [hidden, H * D]``,
+            ``gate_up_proj [2 * I, hidden]``, ``down_proj [hidden, I]``; each projection
+            a dense fp32 tensor, a ``quant.QuantizedWeight`` or a tuple of parts whose
+            outputs are concatenated (``quant.fuse_rows``; Q4_K_M files mix Q4_K and
+            Q6_K in QKV). A mapping may add ``OPTIONAL_LAYER_WEIGHTS``: ``q_norm`` and
+            ``k_norm`` ``[D]``, the feed-forward norms ``[hidden]`` (both or neither).
+            Gemma's ``(1 + weight)`` norms come with the 1 added.
         final_norm: ``[hidden]``.
         num_heads, num_kv_heads, head_dim: attention shape (H, KVH, D).
         eps: RMSNorm epsilon.
+        activation: the MLP gate's, ``"silu"`` or ``"gelu_tanh"``.
+        attn_logit_softcap: Gemma 2's ``cap * tanh(score / cap)``, or None.
+        sliding_windows: per layer keys a query sees (its own included), None for all;
+            None: no windows.
+        rope_tables: per layer the index of its cos/sin table in ``forward``'s stack;
+            None: one table.
 
     ``available`` is False (and the caller keeps its torch path) unless the norms and
     dense weights are fp32 CPU tensors, quantized ones are on the CPU and the kernels are
@@ -339,7 +363,10 @@ class LlamaDecodeLayers:
     """
 
     def __init__(self, layers, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 head_dim: int, eps: float) -> None:
+                 head_dim: int, eps: float, *, activation: str = "silu",
+                 attn_logit_softcap: float | None = None,
+                 sliding_windows: list[int | None] | None = None,
+                 rope_tables: list[int] | None = None) -> None:
         self._impl = None
         if final_norm.device.type != "cpu":
             return
@@ -347,22 +374,30 @@ class LlamaDecodeLayers:
         if ops is None:
             return
         named = []
-        for in_norm, post_norm, qkv, qkv_bias, o_proj, gate_up, down in layers:
-            small = [in_norm, post_norm] + ([] if qkv_bias is None else [qkv_bias])
-            if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in small):
+        for i, layer in enumerate(layers):
+            w = dict(zip(_LAYER_TUPLE, layer)) if isinstance(layer, tuple) else layer
+            if set(w) - set(_LAYER_TUPLE) - set(OPTIONAL_LAYER_WEIGHTS):
+                return  # a weight this kernel does not apply: the caller's loop must run
+            small = {name: w[name] for name in ("input_layernorm", "post_attention_layernorm",
+                                                "qkv_bias", *OPTIONAL_LAYER_WEIGHTS)
+                     if w.get(name) is not None}
+            if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32
+                   or t.device.type != "cpu" for t in small.values()):
                 return
             projections = {}
-            for name, weight in (("qkv_proj", qkv), ("o_proj", o_proj),
-                                 ("gate_up_proj", gate_up), ("down_proj", down)):
-                spec = weight_parts(weight)
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                spec = weight_parts(w[name])
                 if spec is None:
                     return
                 projections[name] = ops.Projection(parts=spec[0], qtypes=spec[1])
-            named.append(ops.DecoderLayerWeights(input_layernorm=in_norm,
-                                                 post_attention_layernorm=post_norm,
-                                                 qkv_bias=qkv_bias, **projections))
+            small.setdefault("qkv_bias", None)
+            window = sliding_windows[i] if sliding_windows is not None else None
+            named.append(ops.DecoderLayerWeights(
+                **small, **projections, sliding_window=window or 0,
+                rope_table=rope_tables[i] if rope_tables is not None else 0))
         self._impl = ops.LlamaDecodeLayers(named, final_norm, num_heads, num_kv_heads,
-                                           head_dim, eps)
+                                           head_dim, eps, activation=activation,
+                                           attn_logit_softcap=attn_logit_softcap or 0.0)
 
     @property
     def available(self) -> bool:
@@ -378,7 +413,8 @@ class LlamaDecodeLayers:
             residual: ``[num_seqs, hidden]`` fp32 token embeddings; overwritten with the
                 residual stream.
             cos, sin: ``[num_seqs, head_dim]`` RoPE table rows at the tokens' positions
-                (``sin`` holding ``[-sin, sin]``).
+                (``sin`` holding ``[-sin, sin]``), or ``[num_tables, num_seqs, head_dim]``
+                with ``rope_tables``.
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
                 fp32, fp16 or bf16 (``--kv-cache-dtype``: K/V rounded to it when written).
             plan: this step's ``plan_attention`` (slots and block ids already checked).

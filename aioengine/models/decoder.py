@@ -13,11 +13,11 @@ formats (``triton_kernels.quant.QuantizedWeight``); every projection, the embedd
 and the LM head go through ``quant.linear`` / ``quant.embedding``.
 
 Decode steps on CPU in fp32 run the whole layer stack in one C++ call
-(``cpu_ops.LlamaDecodeLayers``) for the families whose block it computes: Llama,
-Mistral, Qwen2 and Phi-3 with whole-head RoPE and no sliding window shorter than
-``max_model_len``. Qwen3 and Gemma (Q/K norms, GeGLU, sandwich norms, soft-capping,
-windows) and partial rotary run the Python layer loop (``CausalLM.fused_decode_blocker``
-says why).
+(``cpu_ops.LlamaDecodeLayers``): Llama, Mistral, Qwen2, Qwen3 (Q/K norms), Gemma 2 and
+3 (sandwich norms, GeGLU, Q/K norms, soft-capping, sliding windows, per-layer RoPE) and
+Phi-3 with whole-head RoPE, dense or quantized. Partial rotary (Phi-4-mini, Phi-3.5
+LongRoPE files with a partial factor), tensor parallelism and other activations run the
+Python layer loop (``CausalLM.fused_decode_blocker`` says why).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import triton_kernels
 from aioengine.distributed import parallel_state as tp
 from aioengine.distributed.tensor_parallel import shard_llama_weights, vocab_parallel_embedding
 from aioengine.models import registry
-from aioengine.models.layers.activation import GATED_ACTIVATIONS
+from aioengine.models.layers.activation import GATED_ACTIVATIONS, gelu_tanh_and_mul
 from aioengine.models.layers.attention import AttentionMetadata, paged_attention
 from aioengine.models.layers.norm import rms_norm
 from aioengine.models.layers.rotary import RotaryEmbedding, rotary_dim, rotary_embedding
@@ -262,12 +262,7 @@ class CausalLM:
                              f"{', '.join(ignored[:3])}{' ...' if len(ignored) > 3 else ''}")
         self.decode_layers = None
         if self.fused_decode_blocker() is None:
-            fused = cpu_ops.LlamaDecodeLayers(
-                [(layer["input_layernorm"], layer["post_attention_layernorm"],
-                  layer["qkv_proj"], layer["qkv_bias"], layer["o_proj"], layer["gate_up_proj"],
-                  layer["down_proj"]) for layer in self.layers],
-                self.norm, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps)
-            self.decode_layers = fused if fused.available else None
+            self.decode_layers = self.build_decode_layers()
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -301,9 +296,11 @@ class CausalLM:
                             self.rotaries[layer_type])
 
     def fused_decode_blocker(self) -> str | None:
-        """Why the C++ decode step cannot run this model (None: it can). The step is
-        Llama's block: RMSNorm, fused QKV (+bias), whole-head rotate-half RoPE, paged
-        attention over the whole context, SiLU-gated MLP."""
+        """Why the C++ decode step cannot run this model (None: it can). The step
+        computes the shared block with every twist of ``DecoderArch`` but partial
+        rotary: RMSNorm (Gemma's sandwich too), fused QKV (+bias), per-head Q/K norms,
+        whole-head rotate-half RoPE from each layer's table, paged attention with the
+        layer's sliding window and soft-capping, a SiLU- or GELU(tanh)-gated MLP."""
         arch = self.arch
         if self.tp_size > 1:
             return "tensor parallelism (the Python forward has the all-reduces)"
@@ -312,20 +309,28 @@ class CausalLM:
         if (any(not isinstance(w, torch.Tensor) for _, w in self.named_weights())
                 and not getattr(cpu_ops, "QUANTIZED_DECODE_LAYERS", False)):
             return "quantized weights without the quantized C++ build"
-        if arch.qk_norm:
-            return "per-head Q/K RMSNorm"
-        if arch.sandwich_norm or arch.embed_scale is not None:
-            return "Gemma's norms"
-        if self.act is not triton_kernels.silu_and_mul:
+        if self.fused_activation() is None:
             return f"the {arch.hidden_act} MLP"
-        if arch.attn_logit_softcap is not None:
-            return "attention soft-capping"
-        if any(layer.sliding_window is not None and layer.sliding_window < self.max_model_len
-               for layer in self.layers):
-            return "sliding-window attention"
-        if len(self.rotaries) > 1 or self.rotary.rotary_dim != arch.head_dim:
-            return "partial or per-layer RoPE"
+        if any(r.rotary_dim != arch.head_dim for r in self.rotaries.values()):
+            return "partial rotary"
         return None
+
+    def fused_activation(self) -> str | None:
+        """The C++ decode step's name for this model's MLP activation, or None."""
+        return {triton_kernels.silu_and_mul: "silu", gelu_tanh_and_mul: "gelu_tanh"}.get(self.act)
+
+    def build_decode_layers(self) -> cpu_ops.LlamaDecodeLayers | None:
+        """The C++ decode step over this model's weights (held, not copied), or None
+        when the kernels are not built or a weight is off its fast path."""
+        arch = self.arch
+        tables = list(self.rotaries.values())
+        fused = cpu_ops.LlamaDecodeLayers(
+            list(self.layers), self.norm, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+            arch.rms_norm_eps, activation=self.fused_activation(),
+            attn_logit_softcap=arch.attn_logit_softcap,
+            sliding_windows=[layer.sliding_window for layer in self.layers],
+            rope_tables=[tables.index(layer.rotary) for layer in self.layers])
+        return fused if fused.available else None
 
     def named_weights(self) -> list[tuple[str, Weight]]:
         """Every weight once (a tied LM head is the embedding), with our names."""
@@ -404,7 +409,9 @@ class CausalLM:
         if self.embed_scale is not None:
             residual = residual * self.embed_scale
         if self.decode_layers is not None:
-            cos, sin = tables[id(self.rotary)]
+            rows = [tables[id(r)] for r in self.rotaries.values()]  # the layers' rope_tables
+            cos = rows[0][0] if len(rows) == 1 else torch.stack([c for c, _ in rows])
+            sin = rows[0][1] if len(rows) == 1 else torch.stack([s for _, s in rows])
             hidden = self.decode_layers.forward(residual, cos, sin, kv_cache, plan, self.scale)
             if hidden is not None:
                 return hidden

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -37,6 +38,12 @@ struct DecodeAttention {
   const int32_t* seq_lens;  // [num_seqs]
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
+  // Sliding window (Mistral, Gemma local layers): the query at position len - 1 sees
+  // the last `window` keys, positions len - window .. len - 1 (HF's mask); 0: all.
+  int64_t window = 0;
+  // Gemma 2's attention-logit soft-capping, softcap * tanh(score / softcap) on the
+  // scaled scores (Gemma Team 2024, section 2); 0: none.
+  float softcap = 0.f;
 };
 
 template <typename scalar_t, typename cache_t>
@@ -47,41 +54,50 @@ void decode_attention_run(const DecodeAttention<scalar_t, cache_t>& a) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / a.num_kv_heads, h = task % a.num_kv_heads;
       const int64_t len = a.seq_lens[s];
+      // Keys first .. len - 1: blocks wholly before a window are never read.
+      const int64_t first = a.window > 0 && len > a.window ? len - a.window : 0;
+      const int64_t n = len - first;
       const int32_t* blocks = a.block_tables + s * a.max_blocks;
-      scores.resize(group * len);
+      scores.resize(group * n);
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* src = a.q + s * a.qs + (h * group + g) * a.qh;
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * a.scale;
       }
       // Pass 1: scores of every query head of the group against each key, read once.
-      for (int64_t start = 0; start < len; start += a.block_size) {
-        const cache_t* kblock = a.k + blocks[start / a.block_size] * a.kb + h * a.kh;
-        const int64_t stop = std::min(len, start + a.block_size);
+      for (int64_t start = first; start < len;) {
+        const int64_t block = start / a.block_size;
+        const cache_t* kblock = a.k + blocks[block] * a.kb + h * a.kh;
+        const int64_t stop = std::min(len, (block + 1) * a.block_size);
         for (int64_t t = start; t < stop; ++t) {
-          const cache_t* k = kblock + (t - start) * a.kt;
-          for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(&q[g * head_dim], k, head_dim);
+          const cache_t* k = kblock + (t - block * a.block_size) * a.kt;
+          for (int64_t g = 0; g < group; ++g) scores[g * n + t - first] = dot(&q[g * head_dim], k, head_dim);
         }
+        start = stop;
       }
+      if (a.softcap > 0.f)
+        for (float& x : scores) x = std::tanh(x / a.softcap) * a.softcap;  // HF's order
       // Softmax per query head (max-subtracted, fp32).
       for (int64_t g = 0; g < group; ++g) {
-        float* row = &scores[g * len];
+        float* row = &scores[g * n];
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = row[t] > m ? row[t] : m;
-        exp_shifted(row, len, m);
+        for (int64_t t = 0; t < n; ++t) m = row[t] > m ? row[t] : m;
+        exp_shifted(row, n, m);
         float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) sum += row[t];
+        for (int64_t t = 0; t < n; ++t) sum += row[t];
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+        for (int64_t t = 0; t < n; ++t) row[t] *= inv;
       }
       // Pass 2: the weighted sum of values, each value row read once.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += a.block_size) {
-        const cache_t* vblock = a.v + blocks[start / a.block_size] * a.vb + h * a.vh;
-        const int64_t stop = std::min(len, start + a.block_size);
+      for (int64_t start = first; start < len;) {
+        const int64_t block = start / a.block_size;
+        const cache_t* vblock = a.v + blocks[block] * a.vb + h * a.vh;
+        const int64_t stop = std::min(len, (block + 1) * a.block_size);
         for (int64_t t = start; t < stop; ++t) {
-          const cache_t* v = vblock + (t - start) * a.vt;
-          for (int64_t g = 0; g < group; ++g) axpy(&acc[g * head_dim], scores[g * len + t], v, head_dim);
+          const cache_t* v = vblock + (t - block * a.block_size) * a.vt;
+          for (int64_t g = 0; g < group; ++g) axpy(&acc[g * head_dim], scores[g * n + t - first], v, head_dim);
         }
+        start = stop;
       }
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = a.out + s * a.os + (h * group + g) * a.oh;

@@ -13,9 +13,11 @@
 //   GEMM above.
 // - quant_dequantize / quant_linear / quant_embedding: GGML block formats read in
 //   place (quant_ops.h, quant_ops.cpp).
-// - LlamaDecodeLayers (fp32 activations): a Llama-family decoder-layer stack for one
-//   decode step in one call, built from the kernels above; each projection is dense
-//   fp32 or quantized (any mix of parts).
+// - LlamaDecodeLayers (fp32 activations): a decoder-layer stack for one decode step in
+//   one call, built from the kernels above; each projection is dense fp32 or quantized
+//   (any mix of parts). Llama's block, and the twists of Qwen3 (Q/K norms) and Gemma
+//   2/3 (sandwich norms, GeGLU, Q/K norms, sliding windows, per-layer RoPE tables,
+//   soft-capping) as per-layer options (decode_layers.h).
 //
 // The first three take fp32, bf16 or fp16 tensors and accumulate in fp32.
 // Shapes and dtypes are checked in Python (triton_kernels/cpu_ops.py) and again
@@ -71,19 +73,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
       .def(py::init([](at::Tensor input_layernorm, at::Tensor post_attention_layernorm,
                        c10::optional<at::Tensor> qkv_bias, Projection qkv_proj, Projection o_proj,
-                       Projection gate_up_proj, Projection down_proj) {
-             return DecoderLayerWeights{std::move(input_layernorm),
-                                        std::move(post_attention_layernorm),
-                                        qkv_bias.has_value() ? *qkv_bias : at::Tensor(),
-                                        std::move(qkv_proj), std::move(o_proj),
-                                        std::move(gate_up_proj), std::move(down_proj)};
+                       Projection gate_up_proj, Projection down_proj,
+                       c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                       c10::optional<at::Tensor> pre_feedforward_layernorm,
+                       c10::optional<at::Tensor> post_feedforward_layernorm,
+                       int64_t sliding_window, int64_t rope_table) {
+             auto opt = [](c10::optional<at::Tensor>& t) {
+               return t.has_value() ? *t : at::Tensor();
+             };
+             DecoderLayerWeights w{std::move(input_layernorm),
+                                   std::move(post_attention_layernorm), opt(qkv_bias),
+                                   std::move(qkv_proj), std::move(o_proj),
+                                   std::move(gate_up_proj), std::move(down_proj)};
+             w.q_norm = opt(q_norm);
+             w.k_norm = opt(k_norm);
+             w.pre_feedforward_layernorm = opt(pre_feedforward_layernorm);
+             w.post_feedforward_layernorm = opt(post_feedforward_layernorm);
+             w.sliding_window = sliding_window;
+             w.rope_table = rope_table;
+             return w;
            }), py::kw_only(), py::arg("input_layernorm"), py::arg("post_attention_layernorm"),
            py::arg("qkv_bias"), py::arg("qkv_proj"), py::arg("o_proj"), py::arg("gate_up_proj"),
-           py::arg("down_proj"));
+           py::arg("down_proj"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("pre_feedforward_layernorm") = py::none(),
+           py::arg("post_feedforward_layernorm") = py::none(), py::arg("sliding_window") = 0,
+           py::arg("rope_table") = 0);
   py::class_<aioengine::LlamaDecodeLayers>(m, "LlamaDecodeLayers")
       .def(py::init<const std::vector<DecoderLayerWeights>&, at::Tensor, int64_t, int64_t,
-                    int64_t, double>(),
+                    int64_t, double, const std::string&, double>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("activation") = "silu", py::arg("attn_logit_softcap") = 0.0)
       .def("forward", &aioengine::LlamaDecodeLayers::forward, release());
 }

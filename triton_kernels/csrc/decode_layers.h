@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "attention.h"
@@ -22,12 +23,26 @@ struct Projection {
   std::vector<int64_t> qtypes;
 };
 
-// One decoder layer's weights, by name (HF's module names). qkv_bias is empty when the
-// model has none; norms and the bias are contiguous fp32.
+// One decoder layer's weights, by name (HF's module names), and its attention settings.
+// Norms and the bias are contiguous fp32; an optional tensor is empty when the family
+// has none:
+// - qkv_bias [(H + 2 * KVH) * D] (Qwen2);
+// - q_norm, k_norm [D]: per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3);
+// - pre_feedforward_layernorm, post_feedforward_layernorm [hidden]: Gemma's sandwich,
+//   where post_attention_layernorm norms the attention output before the residual add
+//   and pre_feedforward_layernorm the residual stream (both or neither).
+// Gemma's (1 + weight) norms arrive with the 1 added (the model adds it at load).
 struct DecoderLayerWeights {
   at::Tensor input_layernorm, post_attention_layernorm, qkv_bias;
   Projection qkv_proj, o_proj, gate_up_proj, down_proj;
+  at::Tensor q_norm, k_norm, pre_feedforward_layernorm, post_feedforward_layernorm;
+  int64_t sliding_window = 0;  // keys a query attends to, its own included; 0: all
+  int64_t rope_table = 0;      // which of forward()'s cos/sin tables (Gemma 3: local, global)
 };
+
+// The MLP's gate activation: SiLU (SwiGLU; Llama, Qwen, Mistral, Phi-3) or GELU with
+// the tanh approximation (GeGLU; Gemma).
+enum class GatedActivation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 // The decoder layers of a Llama-family model for one decode step, in one call.
 //
@@ -36,22 +51,30 @@ struct DecoderLayerWeights {
 // at batch 1 that was a quarter of the step (bench/README.md). Here the whole layer
 // stack runs in C++ with small buffers and a small code footprint, the "no bubbles"
 // idea of decode megakernels (Hazy Research, "Look Ma, No Bubbles!", 2025). Each
-// layer: RMSNorm (+ residual add), QKV projection, rotate-half RoPE, K/V written to
-// their cache slots, paged decode attention, O projection, residual add + RMSNorm,
-// gate/up projection, SiLU * up, down projection. fp32 activations; each projection is
-// a dense fp32 matrix or GGML-quantized parts (quant_ops.h). The Python forward is the
-// oracle (tests/test_decode_layers.py).
+// layer: RMSNorm (+ residual add), QKV projection (+ bias), per-head Q/K RMSNorm where
+// given, rotate-half RoPE from the layer's table, K/V written to their cache slots,
+// paged decode attention (sliding window and soft-capping where set), O projection,
+// [RMSNorm of the output,] residual add + RMSNorm, gate/up projection, SiLU or GELU *
+// up, down projection[, RMSNorm of the output]. The bracketed norms are Gemma's
+// sandwich. One kernel for every family; the per-family parts are the optional weights
+// and settings of DecoderLayerWeights and the constructor's activation and softcap.
+// fp32 activations; each projection is a dense fp32 matrix or GGML-quantized parts
+// (quant_ops.h). The Python forward is the oracle (tests/test_decode_layers.py,
+// tests/test_decode_layers_families.py).
 class LlamaDecodeLayers {
  public:
   // Checks every shape: hidden from final_norm, head counts, each projection's rows and
   // in_features (hidden for qkv and gate_up, H * D for o_proj, half of gate_up's rows
-  // for down_proj).
+  // for down_proj), the optional norms'. activation: "silu" or "gelu_tanh";
+  // attn_logit_softcap: Gemma 2's cap on attention scores, 0 for none.
   LlamaDecodeLayers(const std::vector<DecoderLayerWeights>& layers, at::Tensor final_norm,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps);
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                    const std::string& activation = "silu", double attn_logit_softcap = 0.0);
 
   // residual: [M, hidden] embeddings of the step's tokens, one per sequence; it becomes
-  // the residual stream after the last layer. cos, sin: [M, head_dim] rows of the RoPE
-  // tables at the tokens' positions. kv_cache: [num_layers, 2, num_blocks, block_size,
+  // the residual stream after the last layer. cos, sin: [num_tables, M, head_dim] (or
+  // [M, head_dim], one table) rows of the RoPE tables at the tokens' positions; a
+  // layer uses table rope_table. kv_cache: [num_layers, 2, num_blocks, block_size,
   // num_kv_heads, head_dim]. slots: [M] int64 cache slots of the new tokens;
   // block_tables: [M, max_blocks] int32 (entries past a sequence's length may be any
   // valid block id); seq_lens: [M] int32, the new token included. The caller (the
@@ -63,10 +86,13 @@ class LlamaDecodeLayers {
     const int64_t M = residual.size(0);
     TORCH_CHECK(residual.dim() == 2 && residual.size(1) == hidden_ && residual.is_contiguous() &&
                     residual.scalar_type() == at::kFloat, "forward: residual [M, hidden] fp32");
-    TORCH_CHECK(cos.sizes() == at::IntArrayRef({M, head_dim_}) && sin.sizes() == cos.sizes() &&
+    if (cos.dim() == 2) cos = cos.unsqueeze(0);
+    if (sin.dim() == 2) sin = sin.unsqueeze(0);
+    TORCH_CHECK(cos.dim() == 3 && cos.size(0) >= num_tables_ && cos.size(1) == M &&
+                    cos.size(2) == head_dim_ && sin.sizes() == cos.sizes() &&
                     cos.is_contiguous() && sin.is_contiguous() &&
                     cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-                "forward: cos/sin [M, head_dim] fp32");
+                "forward: cos/sin [num_tables >= ", num_tables_, ", M, head_dim] fp32");
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == num_layers_ && kv_cache.size(1) == 2 &&
                     kv_cache.size(4) == num_kv_heads_ && kv_cache.size(5) == head_dim_ &&
                     kv_cache.stride(5) == 1 &&
@@ -142,14 +168,22 @@ class LlamaDecodeLayers {
     a.head_dim = head_dim_;
     a.block_size = block_size;
     a.scale = static_cast<float>(scale);
+    a.softcap = softcap_;
 
     for (int64_t i = 0; i < num_layers_; ++i) {
       const Layer& l = layers_[i];
       fused_add_rms_norm_impl<float>(x, residual, l.input_layernorm, eps_);
       project(qkv, x, l.qkv_proj, l.qkv_bias);
       float* qkv_ptr = qkv.data_ptr<float>();
+      if (l.q_norm.defined()) {  // Q heads, then K heads, each over head_dim
+        rms_norm_heads_f32(qkv_ptr, M, qkv_n, num_heads_, head_dim_, l.q_norm.data_ptr<float>(),
+                           eps_);
+        rms_norm_heads_f32(qkv_ptr + q_size, M, qkv_n, num_kv_heads_, head_dim_,
+                           l.k_norm.data_ptr<float>(), eps_);
+      }
+      const int64_t table = l.rope_table * M * head_dim_;
       rope_rotate_half(qkv_ptr, M, qkv_n, num_heads_ + num_kv_heads_, head_dim_,
-                       cos.data_ptr<float>(), sin.data_ptr<float>(), head_dim_);
+                       cos.data_ptr<float>() + table, sin.data_ptr<float>() + table, head_dim_);
       cache_t* key_cache = cache + i * kv_cache.stride(0);
       cache_t* value_cache = key_cache + kv_cache.stride(1);
       for (int64_t t = 0; t < M; ++t) {  // reshape_and_cache
@@ -162,12 +196,25 @@ class LlamaDecodeLayers {
       }
       a.k = key_cache;
       a.v = value_cache;
+      a.window = l.sliding_window;
       decode_attention_run(a);
       project(o, attn, l.o_proj, at::Tensor());
-      fused_add_rms_norm_impl<float>(o, residual, l.post_attention_layernorm, eps_);
+      if (l.pre_feedforward_layernorm.defined()) {  // Gemma: norm the output, then add
+        rms_norm_heads_f32(o.data_ptr<float>(), M, hidden_, 1, hidden_,
+                           l.post_attention_layernorm.data_ptr<float>(), eps_);
+        fused_add_rms_norm_impl<float>(o, residual, l.pre_feedforward_layernorm, eps_);
+      } else {
+        fused_add_rms_norm_impl<float>(o, residual, l.post_attention_layernorm, eps_);
+      }
       project(gate_up, o, l.gate_up_proj, at::Tensor());
-      silu_and_mul_impl<float>(act, gate_up);
+      if (activation_ == GatedActivation::kGeluTanh)
+        gelu_tanh_and_mul_f32(act.data_ptr<float>(), gate_up.data_ptr<float>(), M, intermediate_);
+      else
+        silu_and_mul_impl<float>(act, gate_up);
       project(x, act, l.down_proj, at::Tensor());
+      if (l.post_feedforward_layernorm.defined())
+        rms_norm_heads_f32(x.data_ptr<float>(), M, hidden_, 1, hidden_,
+                           l.post_feedforward_layernorm.data_ptr<float>(), eps_);
     }
     fused_add_rms_norm_impl<float>(x, residual, final_norm_, eps_);
     return x;
@@ -188,12 +235,17 @@ class LlamaDecodeLayers {
   struct Layer {
     at::Tensor input_layernorm, post_attention_layernorm, qkv_bias;
     QuantLinear qkv_proj, o_proj, gate_up_proj, down_proj;
+    at::Tensor q_norm, k_norm, pre_feedforward_layernorm, post_feedforward_layernorm;
+    int64_t sliding_window = 0, rope_table = 0;
   };
 
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
   int64_t num_layers_, num_heads_, num_kv_heads_, head_dim_, hidden_, intermediate_;
+  int64_t num_tables_ = 1;  // 1 + the largest rope_table
   double eps_;
+  GatedActivation activation_;
+  float softcap_;
   Isa isa_;
 };
 
