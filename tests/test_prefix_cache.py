@@ -234,13 +234,16 @@ def top2(c: CompletionOutput) -> list[list[float]]:
 
 
 def assert_shared_blocks_are_never_rewritten(llm: LLM, so=None) -> None:
-    """The reason there is no copy-on-write, checked on the live engine.
+    """Why a prefix-cache hit needs no copy-on-write, checked on the live engine.
 
     Before a step (``so`` given): a shared block that a scheduled request
     writes in this step is one it registered in this step, and every other
     holder took it as a hit for exactly the same tokens at the same position
     and writes past it. Between steps: every shared block is full, cached
-    and lies below every holder's ``num_computed_tokens``.
+    and lies below every holder's ``num_computed_tokens``, or it is shared by
+    a fork (``n > 1`` samples): at one index in every holder's table, over
+    tokens they all agree on as far as they have computed; their next write
+    into it copies it first.
     """
     kv = llm.engine.kv_cache_manager
     requests = llm.engine.scheduler.requests
@@ -250,9 +253,15 @@ def assert_shared_blocks_are_never_rewritten(llm: LLM, so=None) -> None:
             holders[block.block_id].append((requests[rid], i))
     if so is None:
         for block_id, held in holders.items():
-            if len(held) > 1:
+            if len(held) < 2:
+                continue
+            if all((i + 1) * BLOCK_SIZE <= r.num_computed_tokens for r, i in held):
                 assert kv.block_pool.blocks[block_id].block_hash is not None
-                assert all((i + 1) * BLOCK_SIZE <= r.num_computed_tokens for r, i in held)
+                continue
+            i = held[0][1]
+            end = min((i + 1) * BLOCK_SIZE, *(r.num_computed_tokens for r, _ in held))
+            assert all(j == i for _, j in held), "a fork shares a block at one index"
+            assert len({tuple(r.all_token_ids[i * BLOCK_SIZE:end]) for r, _ in held}) == 1
         return
     for rid, num_new in zip(so.req_ids(), so.num_scheduled_tokens):
         writer = requests[rid]
@@ -405,8 +414,9 @@ def test_evicted_and_recomputed_blocks_give_same_answers(llm, prompts, reference
 
 
 def test_n4_holds_at_most_1_1x_the_blocks_of_n1(llm):
-    """The four samples share the prompt's full blocks by reference count;
-    each has its own last, partial block (never shared, so never copied)."""
+    """The four samples share the prompt's blocks by reference count, the
+    partial last one too until each sharer but the last copies it on its
+    first write (``parallel_sampling.SampleForks``): one partial block each."""
     prompt = llm.tokenizer.encode(policy_text(40))[:1000]
     assert len(prompt) == 1000
     kv = llm.engine.kv_cache_manager

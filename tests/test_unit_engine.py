@@ -82,13 +82,19 @@ def test_n_samples_fan_out_share_the_prompt_and_gather_back():
     engine = make_engine()
     params = SamplingParams(temperature=1.0, max_tokens=5, n=3, seed=7, ignore_eos=True)
     engine.add_request("p", prompt(0, 16), params)
-    assert sorted(engine.scheduler.requests) == ["p#0", "p#1", "p#2"]
-    assert [engine.scheduler.requests[f"p#{i}"].seed for i in range(3)] == [7, 8, 9]
+    # Child 0 prefills; the others wait for it (counted as waiting), then fork.
+    assert sorted(engine.scheduler.requests) == ["p#0"] and engine.stats().num_waiting == 3
     final = run(engine)["p"]
+    seeds = {
+        r.req_id: r.sampling.seed
+        for so in engine.core.executor.steps
+        for r in so.scheduled_new_reqs
+    }
+    assert seeds == {"p#0": 7, "p#1": 8, "p#2": 9}
     assert [c.index for c in final.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in final.outputs}) > 1, "seeds differ per sample"
     assert final.num_cached_tokens == 0
-    assert engine.kv_cache_manager.prefix_cache_hits >= 12, "children share the prompt"
+    assert engine.kv_cache_manager.num_forks == 2, "children share the prompt's blocks"
     assert (child_request_id("p", 1, 3), parent_request_id("p#1")) == ("p#1", "p")
     assert parent_request_id("solo") == "solo"
 
@@ -127,7 +133,7 @@ def test_a_full_queue_takes_none_of_the_children():
     engine.add_request("a", prompt(0), SamplingParams(max_tokens=2, n=3))
     with pytest.raises(SchedulerQueueFull):
         engine.add_request("b", prompt(1), SamplingParams(max_tokens=2, n=2))
-    assert sorted(engine.scheduler.requests) == ["a#0", "a#1", "a#2"]
+    assert sorted(engine.scheduler.requests) == ["a#0"] and engine.stats().num_waiting == 3
     assert not engine.output_processor.has_request("b")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", prompt(0), SamplingParams(max_tokens=2))
@@ -174,7 +180,7 @@ def test_parent_request_without_seed_leaves_the_draw_to_the_core():
     parent = ParentRequest(request)
     assert [c.seed for c in parent.child_requests] == [None, None]
     engine.core.add_requests(parent.child_requests)
-    seeds = [engine.scheduler.requests[f"x#{i}"].seed for i in range(2)]
+    seeds = [engine.core.get_request(f"x#{i}").seed for i in range(2)]
     assert seeds[0] != seeds[1]
 
 

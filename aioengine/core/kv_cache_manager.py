@@ -88,6 +88,8 @@ class KVCacheManager:
         self._copy_holds: dict[int, int] = {}
         # request id -> [(block table index, new block id)] replaced by copy-on-write.
         self._cow_replaced: dict[str, list[tuple[int, int]]] = {}
+        # Blocks taken as prefix-cache hits since the last take_copy_blocks (this step).
+        self._hit_block_ids: set[int] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -173,6 +175,7 @@ class KVCacheManager:
             self._cow_replaced.setdefault(request.request_id, []).append((i, dst.block_id))
             self.num_cow_copies += 1
         self.block_pool.touch(new_computed_blocks)
+        self._hit_block_ids.update(b.block_id for b in new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
@@ -180,27 +183,36 @@ class KVCacheManager:
             self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
         return new_blocks
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:
         """Give ``child`` the parent's written block table, sharing every block.
 
-        The child's first ``parent.num_computed_tokens`` tokens must equal the
-        parent's; the child starts with that many computed tokens (set
-        ``child.num_computed_tokens`` to it). Every shared block's reference
-        count goes up by one, the partial last block's too; the first write
-        into a shared block copies it (``allocate_slots``). Blocks the parent
-        allocated past its computed tokens are not shared. Allocates nothing,
-        so it cannot fail for lack of blocks. Source: PagedAttention (Kwon et
-        al. 2023) §4.4, vLLM v0's ``BlockSpaceManager.fork``.
+        The child's first ``num_tokens`` tokens must equal the parent's; the
+        child starts with at most that many computed tokens (set
+        ``child.num_computed_tokens``). Every shared block's reference count
+        goes up by one, the partial last block's too; the first write into a
+        shared block copies it (``allocate_slots``). Blocks past those tokens
+        are not shared. Allocates nothing, so it cannot fail for lack of
+        blocks. Source: PagedAttention (Kwon et al. 2023) §4.4, vLLM v0's
+        ``BlockSpaceManager.fork``.
+
+        Args:
+            num_tokens: the parent's tokens whose K/V the child takes (default
+                ``parent.num_computed_tokens``; more only once the step that
+                computes them has run, before its output is applied).
 
         Raises:
             KeyError: the parent holds no blocks.
-            ValueError: the child already holds blocks.
+            ValueError: the child already holds blocks, or the parent's blocks
+                do not cover ``num_tokens``.
         """
         if parent.request_id not in self.req_to_blocks:
             raise KeyError(f"request {parent.request_id!r} holds no blocks")
         if child.request_id in self.req_to_blocks:
             raise ValueError(f"request {child.request_id!r} already holds blocks")
-        num_written = parent.num_computed_tokens
+        num_written = parent.num_computed_tokens if num_tokens is None else num_tokens
+        if cdiv(num_written, self.block_size) > len(self.req_to_blocks[parent.request_id]):
+            raise ValueError(f"request {parent.request_id!r} holds fewer than {num_written} "
+                             "tokens' blocks")
         blocks = self.req_to_blocks[parent.request_id][:cdiv(num_written, self.block_size)]
         self.block_pool.share(blocks)
         self.req_to_blocks[child.request_id] = list(blocks)
@@ -219,6 +231,7 @@ class KVCacheManager:
         self.block_pool.free_blocks([src for src, _ in self._pending_copies])
         self._pending_copies = []
         self._copy_holds.clear()
+        self._hit_block_ids.clear()
         return pairs
 
     def take_cow_replaced(self, request_id: str) -> list[tuple[int, int]]:
@@ -305,17 +318,22 @@ class KVCacheManager:
         """Blocks this request is to write in the current step that other
         requests have already taken as prefix-cache hits.
 
-        Such a hit (a later ``n > 1`` child, a concurrent request with the
-        same prefix) relies on this request's step writing the K/V. Preempting
-        this request before the step runs leaves the other requests reading
-        K/V nobody writes, so the scheduler must not pick it as a victim while
-        this is nonzero (or must preempt those requests too). Call between
-        ``allocate_slots`` and the step; ``request.num_computed_tokens`` must
-        not yet include the step's tokens.
+        Such a hit (a concurrent request with the same prefix) relies on this
+        request's step writing the K/V. Preempting this request before the
+        step runs leaves the other requests reading K/V nobody writes, so the
+        scheduler must not pick it as a victim while this is nonzero (or must
+        preempt those requests too). Call between ``allocate_slots`` and the
+        step; ``request.num_computed_tokens`` must not yet include the step's
+        tokens. Only blocks taken as hits since the last ``take_copy_blocks``
+        (in this step) count: a block a fork shares was written in an earlier
+        step, and preempting one of its sharers leaves the others their K/V.
+        Counting those too deadlocked a fork group on a full cache: every
+        sharer of the partial last block was spared, none could get its
+        copy-on-write block.
         """
         blocks = self.req_to_blocks.get(request.request_id, [])
         return sum(1 for block in blocks[request.num_computed_tokens // self.block_size:]
-                   if block.ref_cnt > 1)
+                   if block.ref_cnt > 1 and block.block_id in self._hit_block_ids)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

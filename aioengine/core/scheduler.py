@@ -110,35 +110,45 @@ class Scheduler:
         )
 
     # -- requests in and out ------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, check_queue_limit: bool = True) -> None:
         """Queue a request.
+
+        Args:
+            check_queue_limit: False for a request whose place its parent
+                request reserved when it was admitted (an ``n > 1`` sample).
 
         Raises:
             SchedulerQueueFull: the waiting queue is full.
         """
-        if len(self.waiting) >= self.config.max_waiting_requests:
+        if check_queue_limit and len(self.waiting) >= self.config.max_waiting_requests:
             raise SchedulerQueueFull(
                 f"waiting queue is full ({self.config.max_waiting_requests} requests)"
             )
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
 
-    def add_forked_request(self, parent: Request, child: Request) -> None:
-        """Start ``child`` from ``parent``'s KV blocks (beam search's fork).
+    def add_forked_request(
+        self, parent: Request, child: Request, num_tokens: int | None = None
+    ) -> None:
+        """Start ``child`` from ``parent``'s KV blocks (beam search's and
+        ``n > 1`` sampling's fork).
 
-        The child's first ``parent.num_computed_tokens`` tokens must be the
-        parent's. A running parent shares its written blocks with the child
-        (``KVCacheManager.fork``) and the child runs from the next step on,
-        reaching the worker as a new request; a parent without blocks
-        (preempted) leaves the child to wait and recompute like any request.
+        The child's first ``num_tokens`` tokens (default
+        ``parent.num_computed_tokens``; see ``KVCacheManager.fork``) must be the
+        parent's. A running parent shares those tokens' blocks with the child
+        and the child runs from the next step on, from its last token at the
+        latest (whose logits it needs), reaching the worker as a new request;
+        a parent without blocks (preempted) leaves the child to wait and
+        recompute like any request.
         """
         self.requests[child.request_id] = child
         if (
             parent.status == RequestStatus.RUNNING
             and parent.request_id in self.kv_cache_manager.req_to_blocks
         ):
-            self.kv_cache_manager.fork(parent, child)
-            child.num_computed_tokens = parent.num_computed_tokens
+            num_shared = parent.num_computed_tokens if num_tokens is None else num_tokens
+            self.kv_cache_manager.fork(parent, child, num_shared)
+            child.num_computed_tokens = min(num_shared, child.num_tokens - 1)
             child.num_cached_tokens = max(parent.num_cached_tokens, 0)
             child.status = RequestStatus.RUNNING
             self.running.append(child)
@@ -179,6 +189,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_free_seats(self) -> int:
+        """Seats of ``max_num_seqs`` no running request holds (``_num_seated``)."""
+        return max(0, self.config.max_num_seqs - self._num_seated())
 
     # -- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -22,6 +22,7 @@ from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import Scheduler
 from aioengine.engine.beam_search import BeamSearchGroup, BeamSearchParams
 from aioengine.engine.input_processor import EngineCoreRequest
+from aioengine.engine.parallel_sampling import SampleForks
 from aioengine.errors import RequestRejected, SchedulerQueueFull
 from aioengine.executor.abstract import Executor
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, SchedulerOutput
@@ -157,17 +158,18 @@ class EngineCore:
         self.last_forward_time = 0.0
         self.beam_searches: dict[str, BeamSearchGroup] = {}
         self._beam_of: dict[str, BeamSearchGroup] = {}
+        self.sample_forks = SampleForks(self.scheduler)
 
     # -- requests ---------------------------------------------------------------
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """Queue requests together (the children of one parent): all or none.
+        """Queue the children of one parent, all or none: the first prefills the
+        prompt, the others fork its blocks after that (``SampleForks``).
 
         Raises:
             SchedulerQueueFull: the waiting queue has no room for all of them.
         """
-        limit = self.config.scheduler.max_waiting_requests
-        if len(self.scheduler.waiting) + len(requests) > limit:
-            raise SchedulerQueueFull(f"waiting queue is full ({limit} requests)")
+        self._check_queue_room(len(requests))
+        children = []
         for core_request in requests:
             request = Request(
                 core_request.request_id,
@@ -189,7 +191,20 @@ class EngineCore:
                 request.structured_output_request = self.structured_output_manager.new_request(
                     structured
                 )
-            self.scheduler.add_request(request)
+            children.append(request)
+        self.sample_forks.add(children[0], children[1:])
+
+    def _check_queue_room(self, num_requests: int) -> None:
+        """Raise ``SchedulerQueueFull`` unless ``num_requests`` more fit in the
+        waiting queue (children waiting for a fork count as waiting)."""
+        limit = self.config.scheduler.max_waiting_requests
+        if self.num_waiting + num_requests > limit:
+            raise SchedulerQueueFull(f"waiting queue is full ({limit} requests)")
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be scheduled, ``n > 1`` children waiting for a fork too."""
+        return self.scheduler.num_waiting + self.sample_forks.num_waiting
 
     def add_beam_search(
         self,
@@ -204,11 +219,17 @@ class EngineCore:
         prompt; it ends in ``EngineCoreOutputs.finished_beam_searches``.
 
         Raises:
-            SchedulerQueueFull: the waiting queue is full.
+            SchedulerQueueFull: the waiting queue has no room for
+                ``params.beam_width`` requests. A search counts as its beams, as
+                ``n > 1`` sampling counts as its samples, when it is admitted;
+                the beams it forks later, or that a preemption requeues, join
+                the queue past the limit (refusing one would fail a search
+                already running).
             ValueError: ``request_id`` is already a beam search here.
         """
         if request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_queue_room(params.beam_width)
         # Each beam computes one token a step; the group decides which beams go on,
         # when one ends and which token it keeps, so a beam never stops by itself.
         beam_params = SamplingParams(
@@ -271,6 +292,7 @@ class EngineCore:
         """End requests (abort, or a stop string the output processor matched)
         and free their blocks; unknown ids are ignored."""
         self.scheduler.finish_requests(request_ids, status)
+        self.sample_forks.discard(request_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Returns False (changing nothing) while
@@ -279,6 +301,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def get_request(self, request_id: str) -> Request | None:
+        """A live (child) request: in the scheduler, or waiting to fork its
+        prompt's blocks (``SampleForks``); None if unknown."""
+        return self.scheduler.requests.get(request_id) or self.sample_forks.get(request_id)
 
     def pending_grammars(self) -> list[Future]:
         """Compile futures of waiting requests whose grammar is not ready yet."""
@@ -347,6 +374,11 @@ class EngineCore:
         grammars, finish what reached EOS, a stop token, a grammar's end,
         ``max_tokens`` or the context length."""
         self.last_forward_time = runner_output.forward_time + runner_output.sample_time
+        # Before the output moves any counter: a child 0 that ends on its first
+        # token still holds the prompt's blocks for its siblings to fork.
+        self.sample_forks.fork_after_step(
+            zip(self.scheduler.scheduled_requests, scheduler_output.num_scheduled_tokens)
+        )
         outputs: dict[str, EngineCoreOutput] = {}
         beam_groups: dict[str, BeamSearchGroup] = {}
         for request, token, logprobs in self.scheduler.update_from_output(
@@ -398,7 +430,7 @@ class EngineCore:
         pool = kv_cache.block_pool
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.num_waiting,
             num_kv_blocks_total=pool.num_blocks,
             num_kv_blocks_used=pool.num_used_blocks,
             kv_cache_usage=pool.usage,
