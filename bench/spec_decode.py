@@ -272,7 +272,11 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("generated tokens / s")
     cpu = report["cpu"]["model"]
-    ax.set_title(f"Speculative decoding, SmolLM2-135M Q4_1, greedy\n{cpu}", fontsize=10)
+    load = report.get("load", {})
+    busy = (f", 1-min load {load['loadavg_1m_min']:.1f}-{load['loadavg_1m_max']:.1f}"
+            if "loadavg_1m_min" in load else "")
+    ax.set_title(f"Speculative decoding, SmolLM2-135M Q4_1, greedy\n{cpu} "
+                 f"({report['cpu']['cpus']} cpus{busy})", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -22,10 +22,13 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from family_models import FAMILIES, build_hf_model, save_hf_folder, tiny_tokenizer
 from parity import NEAR_TIE, top2_gap
 
@@ -338,3 +341,67 @@ def test_another_tokenizer_is_refused(models, tmp_path):
 
     with pytest.raises(ValueError, match="another tokenizer"):
         EngineConfig.from_kwargs(model=models["target"], speculative_config={"model": str(folder)})
+
+
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(cuts=st.lists(st.integers(0, 4), min_size=6, max_size=6))
+def test_forced_rejections_roll_back_both_caches(models, reference, cuts):
+    """Rollback in the target's and the draft's cache, over random acceptances.
+
+    The target is its own draft, and verification is made to keep only the
+    first ``cut`` drafts of each verification (``cuts`` cycled, drawn by
+    hypothesis) and emit the target's argmax after them: with a self-draft that
+    argmax is the rejected draft itself, so the output must stay the greedy
+    reference while both caches roll back at random positions. After every
+    step, for each running request: the worker's block table is the
+    scheduler's, and the draft cache's K/V at every position it counts as valid
+    (``draft_num_computed``, below the target's ``num_computed_tokens``) equal
+    the target cache's there (same weights, so the same K/V, to 1e-4)."""
+    from aioengine.spec_decode import verifier
+
+    real = verifier.rejection_sample
+    cycle = iter(cuts * 1000)
+
+    def truncating(probs, argmax, drafts, k, greedy, gens, q=None):
+        _, acc = real(probs, argmax, drafts, k, greedy, gens, q)
+        cut = torch.tensor([next(cycle) for _ in k])
+        acc = torch.minimum(acc, cut)
+        kk = torch.tensor(k)
+        row_start = torch.cumsum(kk + 1, 0) - (kk + 1)
+        return argmax[row_start + acc], acc
+
+    llm = LLM(models["target"], speculative_config=spec(models, "self"), **ENGINE)
+    runner, engine = llm.executor.runner, llm.engine
+    compared = 0
+    try:
+        with mock.patch.object(verifier, "rejection_sample", truncating):
+            for i, ids in enumerate(prompts()):
+                engine.add_request(f"r{i}", ids, GREEDY)
+            outs = {}
+            while engine.has_unfinished_requests():
+                so = engine.schedule()
+                for out in engine.process_output(so, llm.executor.execute_model(so)):
+                    outs[out.request_id] = out.outputs[0].token_ids
+                for request in engine.scheduler.running:
+                    state = runner.requests[request.request_id]
+                    want = engine.kv_cache_manager.get_block_ids(request.request_id)
+                    assert runner.block_table[state.row, : state.num_blocks].tolist() == want
+                    valid = min(state.draft_num_computed, request.num_computed_tokens)
+                    pos = np.arange(valid)
+                    slots = torch.from_numpy(
+                        runner.block_table[state.row, pos // 8].astype(np.int64) * 8 + pos % 8
+                    )
+                    a = runner.kv_cache.flatten(2, 3)[:, :, slots]
+                    b = runner.drafter.kv_cache.flatten(2, 3)[:, :, slots]
+                    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+                    compared += valid
+        s = llm.stats()
+    finally:
+        llm.shutdown()
+    for i, (ref, top2) in enumerate(reference):
+        assert_same_greedy(f"r{i}", outs[f"r{i}"], ref, top2)
+    assert compared > 0
+    if any(c < 4 for c in cuts):
+        assert s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
