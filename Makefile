@@ -67,7 +67,7 @@ test-e2e: setup-test browser
 # would collide with every branch in flight).
 FORMATTED := $(addprefix aioengine/engine/,async_engine.py core.py detokenizer.py executor.py \
 	input_processor.py llm.py llm_engine.py multiproc_executor.py output_processor.py \
-	parallel_sampling.py) \
+	parallel_sampling.py data_parallel.py) \
 	aioengine/executor aioengine/entrypoints/openai aioengine/entrypoints/ws_messages.py \
 	aioengine/errors.py aioengine/tokenizer.py aioengine/models/arch.py \
 	aioengine/core/scheduler.py aioengine/ipc/shm_ring.py \

@@ -45,8 +45,7 @@ def test_no_cached_block_goes_to_the_least_loaded_lowest_rank_first():
 
 
 def test_an_imbalanced_load_overrides_the_prefix():
-    router = PrefixCacheRouter(block_size=16, balance_abs_threshold=8,
-                               balance_rel_threshold=1.5)
+    router = PrefixCacheRouter(block_size=16, balance_abs_threshold=8, balance_rel_threshold=1.5)
     # 20 against 2: past both thresholds, the idle replica takes it.
     d = router.route([20, 2], [100, 0])
     assert (d.replica, d.reason) == (1, "balance")
@@ -77,8 +76,14 @@ def test_prompt_hashes_are_the_kv_cache_managers():
     cache_salt included; a different salt finds nothing."""
     kv = KVCacheManager(num_blocks=16, block_size=4)
     tokens = list(range(100, 114))  # 3 full blocks and 2 tokens
-    req = Request("a", tokens, SamplingParams(max_tokens=1), max_tokens=1, eos_token_id=None,
-                  cache_salt="tenant-1")
+    req = Request(
+        "a",
+        tokens,
+        SamplingParams(max_tokens=1),
+        max_tokens=1,
+        eos_token_id=None,
+        cache_salt="tenant-1",
+    )
     assert kv.allocate_slots(req, len(tokens)) is not None
     router = PrefixCacheRouter(block_size=4)
     hashes = router.prompt_hashes(tokens, cache_salt="tenant-1")
@@ -89,18 +94,33 @@ def test_prompt_hashes_are_the_kv_cache_managers():
 
 
 def test_sum_stats_adds_counts_and_recomputes_ratios():
-    a = EngineStats(num_running=2, num_kv_blocks_total=100, num_kv_blocks_used=50,
-                    kv_cache_usage=0.5, prefix_cache_hits=7, max_reqs_in_step=4,
-                    last_step_time=0.02, spec_decode_num_drafts=2,
-                    spec_decode_num_draft_tokens=8, spec_decode_num_accepted_tokens=4,
-                    spec_decode_num_accepted_tokens_per_pos=[2, 1, 1],
-                    block_usage_map=[1, 0])
-    b = EngineStats(num_running=1, num_kv_blocks_total=100, num_kv_blocks_used=0,
-                    prefix_cache_hits=3, max_reqs_in_step=6, last_step_time=0.01,
-                    spec_decode_num_drafts=2, spec_decode_num_draft_tokens=8,
-                    spec_decode_num_accepted_tokens=0,
-                    spec_decode_num_accepted_tokens_per_pos=[0],
-                    block_usage_map=[2])
+    a = EngineStats(
+        num_running=2,
+        num_kv_blocks_total=100,
+        num_kv_blocks_used=50,
+        kv_cache_usage=0.5,
+        prefix_cache_hits=7,
+        max_reqs_in_step=4,
+        last_step_time=0.02,
+        spec_decode_num_drafts=2,
+        spec_decode_num_draft_tokens=8,
+        spec_decode_num_accepted_tokens=4,
+        spec_decode_num_accepted_tokens_per_pos=[2, 1, 1],
+        block_usage_map=[1, 0],
+    )
+    b = EngineStats(
+        num_running=1,
+        num_kv_blocks_total=100,
+        num_kv_blocks_used=0,
+        prefix_cache_hits=3,
+        max_reqs_in_step=6,
+        last_step_time=0.01,
+        spec_decode_num_drafts=2,
+        spec_decode_num_draft_tokens=8,
+        spec_decode_num_accepted_tokens=0,
+        spec_decode_num_accepted_tokens_per_pos=[0],
+        block_usage_map=[2],
+    )
     total = sum_stats([a, b])
     assert (total.num_running, total.prefix_cache_hits, total.num_kv_blocks_total) == (3, 10, 200)
     assert total.kv_cache_usage == 0.25

@@ -89,8 +89,14 @@ class PrefixCacheRouter:
             out of balance (SGLang's router has the same knobs).
     """
 
-    def __init__(self, block_size: int, policy: str = "prefix", load_penalty_blocks: float = 4.0,
-                 balance_abs_threshold: int = 8, balance_rel_threshold: float = 1.5) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        policy: str = "prefix",
+        load_penalty_blocks: float = 4.0,
+        balance_abs_threshold: int = 8,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
         if policy not in ("prefix", "round_robin"):
             raise ValueError(f"routing policy must be 'prefix' or 'round_robin', got {policy!r}")
         self.block_size = block_size
@@ -100,16 +106,17 @@ class PrefixCacheRouter:
         self.balance_rel_threshold = balance_rel_threshold
         self._next = 0
         self.decisions: dict[str, int] = dict.fromkeys(
-            ("prefix", "least_loaded", "balance", "round_robin"), 0)
+            ("prefix", "least_loaded", "balance", "round_robin"), 0
+        )
 
-    def prompt_hashes(self, prompt_token_ids: Sequence[int],
-                      cache_salt: str | None = None) -> list[BlockHash]:
+    def prompt_hashes(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[BlockHash]:
         """Chained hashes of the prompt's full blocks, as ``KVCacheManager`` computes them."""
         extra = (cache_salt,) if cache_salt else ()
         return hash_request_blocks(prompt_token_ids, self.block_size, 0, ROOT_BLOCK_HASH, extra)
 
-    def route(self, loads: Sequence[int | None], cached_blocks: Sequence[int]
-              ) -> RoutingDecision:
+    def route(self, loads: Sequence[int | None], cached_blocks: Sequence[int]) -> RoutingDecision:
         """Pick a replica.
 
         Args:
@@ -120,10 +127,10 @@ class PrefixCacheRouter:
         Raises:
             EngineDeadError: no replica can take a request.
         """
-        live = [i for i, load in enumerate(loads) if load is not None]
+        load = {i: n for i, n in enumerate(loads) if n is not None}
+        live = list(load)
         if not live:
             raise EngineDeadError("no engine replica is ready (their workers are restarting)")
-        load = {i: loads[i] for i in live}
         if self.policy == "round_robin":
             for _ in range(len(loads)):
                 i, self._next = self._next % len(loads), self._next + 1
@@ -131,11 +138,14 @@ class PrefixCacheRouter:
                     return self._decide(i, cached_blocks[i], "round_robin")
         least = min(live, key=lambda i: (load[i], i))
         busiest = max(load.values())
-        if (busiest - load[least] > self.balance_abs_threshold
-                and busiest > self.balance_rel_threshold * load[least]):
+        if (
+            busiest - load[least] > self.balance_abs_threshold
+            and busiest > self.balance_rel_threshold * load[least]
+        ):
             return self._decide(least, cached_blocks[least], "balance")
-        best = min(live, key=lambda i: (
-            self.load_penalty_blocks * load[i] - cached_blocks[i], load[i], i))
+        best = min(
+            live, key=lambda i: (self.load_penalty_blocks * load[i] - cached_blocks[i], load[i], i)
+        )
         reason = "prefix" if cached_blocks[best] > 0 else "least_loaded"
         return self._decide(best, cached_blocks[best], reason)
 
@@ -172,8 +182,7 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
             setattr(total, f.name, max(values, default=0))
         elif f.name == "spec_decode_num_accepted_tokens_per_pos":
             width = max((len(v) for v in values), default=0)
-            setattr(total, f.name, [sum(v[k] for v in values if k < len(v))
-                                    for k in range(width)])
+            setattr(total, f.name, [sum(v[k] for v in values if k < len(v)) for k in range(width)])
         elif f.name == "block_usage_map":
             setattr(total, f.name, [b for v in values for b in v])
         elif f.type in ("int", int):
@@ -182,9 +191,11 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         total.kv_cache_usage = total.num_kv_blocks_used / total.num_kv_blocks_total
     if total.spec_decode_num_drafts:
         total.spec_decode_acceptance_rate = (
-            total.spec_decode_num_accepted_tokens / total.spec_decode_num_draft_tokens)
+            total.spec_decode_num_accepted_tokens / total.spec_decode_num_draft_tokens
+        )
         total.spec_decode_mean_acceptance_length = (
-            1 + total.spec_decode_num_accepted_tokens / total.spec_decode_num_drafts)
+            1 + total.spec_decode_num_accepted_tokens / total.spec_decode_num_drafts
+        )
     return total
 
 
@@ -198,8 +209,9 @@ class DPAsyncEngine:
     def __init__(self, config: EngineConfig, replicas: list[AsyncEngine]) -> None:
         self.config = config
         self.replicas = replicas
-        self.router = PrefixCacheRouter(config.cache.block_size,
-                                        config.parallel.data_parallel_routing)
+        self.router = PrefixCacheRouter(
+            config.cache.block_size, config.parallel.data_parallel_routing
+        )
         first = replicas[0]
         self.model_path = first.model_path
         self.served_model_name = first.served_model_name
@@ -217,17 +229,25 @@ class DPAsyncEngine:
             shut down first.
         """
         n = config.parallel.data_parallel_size
-        configs = [dataclasses.replace(config, parallel=dataclasses.replace(
-            config.parallel, data_parallel_rank=rank)) for rank in range(n)]
-        results = await asyncio.gather(*(AsyncEngine.start(c) for c in configs),
-                                       return_exceptions=True)
+        configs = [
+            dataclasses.replace(
+                config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank)
+            )
+            for rank in range(n)
+        ]
+        results = await asyncio.gather(
+            *(AsyncEngine.start(c) for c in configs), return_exceptions=True
+        )
         started = [r for r in results if isinstance(r, AsyncEngine)]
         failed = [r for r in results if not isinstance(r, AsyncEngine)]
         if failed:
             await asyncio.gather(*(r.shutdown() for r in started), return_exceptions=True)
             raise failed[0]
-        logger.info("data parallel: %d engine replicas, routing %s", n,
-                    config.parallel.data_parallel_routing)
+        logger.info(
+            "data parallel: %d engine replicas, routing %s",
+            n,
+            config.parallel.data_parallel_routing,
+        )
         return cls(config, started)
 
     # -- what the API server reads -----------------------------------------------------
@@ -263,8 +283,9 @@ class DPAsyncEngine:
             r.latency_observer = observer
 
     # -- requests --------------------------------------------------------------------
-    def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
-              ) -> RoutingDecision:
+    def route(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> RoutingDecision:
         """Where a request with this prompt would go now (``PrefixCacheRouter.route``).
 
         Raises:
@@ -275,8 +296,7 @@ class DPAsyncEngine:
         else:
             hashes = self.router.prompt_hashes(prompt_token_ids, cache_salt)
             cached = [num_cached_blocks(r, hashes) for r in self.replicas]
-        loads = [r.num_in_flight if r.healthy and not r.draining else None
-                 for r in self.replicas]
+        loads = [r.num_in_flight if r.healthy and not r.draining else None for r in self.replicas]
         if all(r.draining for r in self.replicas):
             raise EngineDeadError("the server is shutting down")
         return self.router.route(loads, cached)
@@ -304,8 +324,7 @@ class DPAsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """As ``AsyncEngine.generate``, on the routed replica."""
         token_ids = prompt if isinstance(prompt, list) else await self.tokenize(prompt)
-        stream = self.add_request(request_id or self.new_request_id(), token_ids, params,
-                                  priority)
+        stream = self.add_request(request_id or self.new_request_id(), token_ids, params, priority)
         try:
             async for output in stream:
                 yield output
@@ -329,10 +348,13 @@ class DPAsyncEngine:
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.replicas[0].tokenize(text, add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                                  tools: list[dict] | None = None) -> list[int]:
-        return await self.replicas[0].apply_chat_template(messages, add_generation_prompt,
-                                                          tools)
+    async def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
+        return await self.replicas[0].apply_chat_template(messages, add_generation_prompt, tools)
 
     def reset_prefix_cache(self) -> bool:
         """Reset every replica's prefix cache; False if any holds blocks (that one is
@@ -346,8 +368,10 @@ class DPAsyncEngine:
     def replica_stats(self, include_block_map: bool = False) -> list[EngineStats]:
         """Each replica's ``EngineStats``, in rank order (a replica whose worker is
         starting reports zeros)."""
-        return [r.stats(include_block_map) if r.core is not None else EngineStats()
-                for r in self.replicas]
+        return [
+            r.stats(include_block_map) if r.core is not None else EngineStats()
+            for r in self.replicas
+        ]
 
     # -- lifecycle -------------------------------------------------------------------
     def begin_drain(self) -> None:

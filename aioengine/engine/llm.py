@@ -37,8 +37,10 @@ class LLM:
     def __init__(self, model: str = "", **kwargs: object) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         if self.config.parallel.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is for the server (aioengine serve "
-                             "--data-parallel-size N); LLM runs one engine")
+            raise ValueError(
+                "data_parallel_size > 1 is for the server (aioengine serve "
+                "--data-parallel-size N); LLM runs one engine"
+            )
         m = self.config.model
         self.model_info = inspect_model(m.model_path, m.quantization, m.dtype)
         self.tokenizer = load_tokenizer(m.model_path)
