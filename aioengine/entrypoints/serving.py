@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from aioengine.core.scheduler import SchedulerQueueFull
 from aioengine.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from aioengine.engine.beam_search import BeamSearchParams
+from aioengine.engine.data_parallel import DPAsyncEngine
 from aioengine.engine.core import RequestRejected
 from aioengine.entrypoints.protocol import (
     APIError,
@@ -146,9 +147,14 @@ class OpenAIServing:
     def default_max_tokens(self, prompt_len: int) -> int | None:
         """What a request that gives no ``max_tokens`` may generate: the rest of the
         context, bounded by what the whole KV cache holds (tokens). ``None`` when
-        nothing is left, so the engine's own check rejects the prompt."""
-        stats = self.engine.stats()
-        cache_tokens = stats.num_kv_blocks_total * self.engine.config.cache.block_size
+        nothing is left, so the engine's own check rejects the prompt. With data
+        parallel replicas, the smallest replica's cache: the request runs on one
+        (their summed ``stats()`` would allow ``data_parallel_size`` times too much)."""
+        if isinstance(self.engine, DPAsyncEngine):
+            num_blocks = min(s.num_kv_blocks_total for s in self.engine.replica_stats())
+        else:
+            num_blocks = self.engine.stats().num_kv_blocks_total
+        cache_tokens = num_blocks * self.engine.config.cache.block_size
         room = min(self.max_model_len, cache_tokens) - prompt_len
         return room if room > 0 else None
 

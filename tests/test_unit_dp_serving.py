@@ -1,0 +1,53 @@
+"""``DPAsyncEngine`` behind the real app on stand-in replicas (unit tier:
+``tests/factories.py``'s tokenizer and ``FakeExecutor``, no model, no process)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+from starlette.testclient import TestClient
+
+from aioengine.engine.async_engine import AsyncEngine
+from aioengine.engine.data_parallel import DPAsyncEngine
+from aioengine.entrypoints.openai.api_server import build_app
+from tests.factories import FakeExecutor, make_config, make_tokenizer
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+async def _start_dp(config):
+    replicas = []
+    for rank in range(config.parallel.data_parallel_size):
+        parallel = dataclasses.replace(config.parallel, data_parallel_rank=rank)
+        replica_config = dataclasses.replace(config, parallel=parallel)
+        replicas.append(await AsyncEngine.from_parts(replica_config, make_tokenizer(),
+                                                     FakeExecutor))
+    return DPAsyncEngine(config, replicas)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    # max_model_len (512 tokens) beyond one replica's cache (64 blocks of 4 tokens).
+    config = make_config(max_model_len=512, data_parallel_size=2, executor="process",
+                         standby_worker=False)
+    app = build_app(config, engine_factory=_start_dp, web_dir="")
+    with TestClient(app) as c:
+        yield c
+
+
+def test_no_max_tokens_defaults_to_one_replicas_cache_not_the_sum(client):
+    """The default ``max_tokens`` is bounded by the cache of the replica the request
+    runs on: the replicas' summed blocks gave twice that, and every request that
+    left out ``max_tokens`` was refused with 400 (more blocks than the cache)."""
+    r = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": MESSAGES})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64 * 4
+    with client.websocket_connect("/v1/ws") as ws:
+        ws.receive_json()  # hello
+        ws.send_json({"type": "chat", "id": "a", "model": "fake-model", "messages": MESSAGES})
+        while (m := ws.receive_json())["type"] == "delta":
+            pass
+        assert m["type"] == "done", m
