@@ -51,3 +51,29 @@ def test_no_max_tokens_defaults_to_one_replicas_cache_not_the_sum(client):
         while (m := ws.receive_json())["type"] == "delta":
             pass
         assert m["type"] == "done", m
+
+
+def test_replica_workers_divide_the_cores_without_tensor_parallelism(monkeypatch):
+    """``-dp 2`` alone (no ``-tp``): each replica's worker gets half the cores
+    (docs/distributed.md); the thread count used to reach a worker only in the
+    tensor-parallel ``dist`` tuple, so both took every core."""
+    from aioengine.executor import multiproc
+
+    monkeypatch.setattr(multiproc.os, "cpu_count", lambda: 16)
+    dp2 = make_config(data_parallel_size=2, executor="process")
+    assert multiproc._worker_config(dp2).parallel.num_threads == 8
+    one = make_config(executor="process")
+    assert multiproc._worker_config(one) is one  # torch's default, as before
+    pinned = make_config(data_parallel_size=2, executor="process", num_threads=3)
+    assert multiproc._worker_config(pinned).parallel.num_threads == 3
+
+
+def test_generate_refuses_data_parallel_in_one_line(monkeypatch):
+    """``aioengine generate -dp 2``: one error line, not ``LLM``'s traceback."""
+    from aioengine.entrypoints import cli
+
+    monkeypatch.setattr(cli, "_engine_config", lambda args: None)  # no model file read
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "hi", "-dp", "2"])
+    assert str(exc.value) == ("aioengine: error: --data-parallel-size is for aioengine serve; "
+                              "generate runs one engine")

@@ -362,6 +362,9 @@ def run_generate(args: argparse.Namespace) -> None:
     except SamplingParamError as exc:
         sys.exit(f"aioengine: error: --{exc.param.replace('_', '-')}: {exc}")
     _engine_config(args)  # clean errors for bad flags before anything loads
+    if args.data_parallel_size > 1:  # LLM would refuse it with a traceback
+        sys.exit("aioengine: error: --data-parallel-size is for aioengine serve; "
+                 "generate runs one engine")
     llm = LLM(**engine_kwargs(args))
     try:
         if args.chat:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import select
@@ -87,6 +88,20 @@ def _threads_per_rank(config: EngineConfig) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
+def _worker_config(config: EngineConfig) -> EngineConfig:
+    """The config a worker gets: without tensor parallelism (no ``dist`` tuple to
+    carry the thread count) its ``num_threads`` is ``_threads_per_rank``, so the
+    replicas of ``-dp N`` divide the cores too instead of each taking them all."""
+    if config.parallel.tensor_parallel_size > 1:
+        return config
+    threads = _threads_per_rank(config)
+    if threads == config.parallel.num_threads:
+        return config
+    return dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, num_threads=threads)
+    )
+
+
 class MultiprocExecutor(Executor):
     """Spawns the worker (one per tensor-parallel rank) and exchanges step messages.
 
@@ -129,13 +144,14 @@ class MultiprocExecutor(Executor):
             from aioengine.distributed.parallel_state import get_open_port
 
             dist = (f"tcp://127.0.0.1:{get_open_port()}", tp_size, _threads_per_rank(config))
+        worker_config = _worker_config(config)
         self.processes = [
             ctx.Process(
                 target=run_worker,
                 name=f"aioengine-worker-{rank}",
                 daemon=True,
                 args=(
-                    config,
+                    worker_config,
                     self.rings_in[rank].handle(),
                     self.rings_out[rank].handle(),
                     os.getpid(),
