@@ -33,7 +33,7 @@ from parity import assert_greedy_parity
 from aioengine import LLM, BeamSearchParams, SamplingParams
 from aioengine.core.kv_cache_manager import cdiv
 from aioengine.engine.llm_engine import LLMEngine
-from aioengine.errors import SchedulerQueueFull
+from aioengine.errors import RequestRejected, SchedulerQueueFull
 from aioengine.ipc.messages import ModelRunnerOutput, SchedulerOutput
 from tests.factories import FakeExecutor, make_config, make_tokenizer
 
@@ -256,6 +256,20 @@ def test_the_waiting_queue_counts_children_and_beams_before_they_exist():
     engine.add_beam_search_request("d", prompt(10), BeamSearchParams(1, 2))
     assert engine.stats().num_waiting == 4
     assert not engine.output_processor.has_request("b") and "c" not in engine.core.beam_searches
+
+
+def test_n_beyond_the_whole_waiting_queue_is_refused_not_queue_full():
+    """``n`` (or a beam width) above ``max_waiting_requests`` can never be admitted:
+    ``RequestRejected`` (400), where ``SchedulerQueueFull`` (429, retry later) had
+    clients retry forever on an idle server."""
+    engine = make_engine(max_waiting_requests=4)
+    with pytest.raises(RequestRejected, match="max_waiting_requests=4") as exc:
+        engine.add_request("a", prompt(10), SamplingParams(max_tokens=2, n=5))
+    assert exc.value.param == "n"
+    with pytest.raises(RequestRejected):
+        engine.add_beam_search_request("b", prompt(10), BeamSearchParams(5, 2))
+    assert not engine.has_unfinished_requests() and not engine.output_processor.has_request("a")
+    engine.add_request("c", prompt(10), SamplingParams(max_tokens=2, n=4))  # fits exactly
 
 
 # -- a real model ---------------------------------------------------------------------

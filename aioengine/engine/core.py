@@ -196,8 +196,20 @@ class EngineCore:
 
     def _check_queue_room(self, num_requests: int) -> None:
         """Raise ``SchedulerQueueFull`` unless ``num_requests`` more fit in the
-        waiting queue (children waiting for a fork count as waiting)."""
+        waiting queue (children waiting for a fork count as waiting).
+
+        Raises:
+            RequestRejected: ``num_requests`` (``n``, a beam width) is more than
+                the whole queue holds, so the request could never be admitted
+                (400; a 429 would have the client retry forever).
+        """
         limit = self.config.scheduler.max_waiting_requests
+        if num_requests > limit:
+            raise RequestRejected(
+                f"n={num_requests} is more than the waiting queue holds "
+                f"(max_waiting_requests={limit})",
+                "n",
+            )
         if self.num_waiting + num_requests > limit:
             raise SchedulerQueueFull(f"waiting queue is full ({limit} requests)")
 
