@@ -77,3 +77,39 @@ def test_generate_refuses_data_parallel_in_one_line(monkeypatch):
         cli.main(["generate", "hi", "-dp", "2"])
     assert str(exc.value) == ("aioengine: error: --data-parallel-size is for aioengine serve; "
                               "generate runs one engine")
+
+
+def test_reset_prefix_cache_is_all_replicas_or_none(client):
+    """409 "nothing was changed" while one replica runs a request: the idle
+    replica's prefix cache must be left too (it used to be reset anyway)."""
+    import asyncio
+
+    from aioengine.sampling_params import SamplingParams
+
+    engine = client.app.state.serving.engine
+    prompt_ids = list(range(40, 60))
+
+    async def warm_then_hold():
+        first = engine.replicas[0].add_request("warm", prompt_ids, SamplingParams(max_tokens=1))
+        async for _ in first:
+            pass
+        held = engine.replicas[1].add_request("held", prompt_ids, SamplingParams(
+            max_tokens=200, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        return held
+
+    hashes = engine.router.prompt_hashes(prompt_ids)
+    engine.replicas[1].executor.delay_s = 0.01
+    try:
+        client.portal.call(warm_then_hold)
+        assert engine.replicas[1].num_in_flight == 1
+        r = client.post("/reset_prefix_cache")
+        assert r.status_code == 409, r.text
+        from aioengine.engine.data_parallel import num_cached_blocks
+
+        assert num_cached_blocks(engine.replicas[0], hashes) == len(prompt_ids) // 4
+    finally:
+        engine.abort("held")
+        engine.replicas[1].executor.delay_s = 0.0
+    assert client.post("/reset_prefix_cache").status_code == 200
+    assert num_cached_blocks(engine.replicas[0], hashes) == 0

@@ -357,8 +357,11 @@ class DPAsyncEngine:
         return await self.replicas[0].apply_chat_template(messages, add_generation_prompt, tools)
 
     def reset_prefix_cache(self) -> bool:
-        """Reset every replica's prefix cache; False if any holds blocks (that one is
-        left as it was)."""
+        """Reset every replica's prefix cache, or none: False, changing nothing,
+        while any replica's requests hold blocks (as ``AsyncEngine``; the API
+        answers 409 "nothing was changed")."""
+        if any(r.core is None or r.stats().num_kv_blocks_used for r in self.replicas):
+            return False
         return all([r.reset_prefix_cache() for r in self.replicas])
 
     def stats(self, include_block_map: bool = False) -> EngineStats:
