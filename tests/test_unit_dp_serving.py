@@ -113,3 +113,34 @@ def test_reset_prefix_cache_is_all_replicas_or_none(client):
         engine.replicas[1].executor.delay_s = 0.0
     assert client.post("/reset_prefix_cache").status_code == 200
     assert num_cached_blocks(engine.replicas[0], hashes) == 0
+
+
+def test_latency_histograms_carry_the_replicas_engine_label(client):
+    """Like every other series (docs/distributed.md): a request that ran on
+    replica 1 shows in ``engine="1"``'s histograms, not in one unlabelled pool."""
+    import re
+
+    from aioengine.sampling_params import SamplingParams
+
+    engine = client.app.state.serving.engine
+
+    def count(text: str, rank: int) -> float:
+        series = f'aioengine:time_to_first_token_seconds_count{{engine="{rank}",'
+        m = re.search("^" + re.escape(series + 'model_name="fake-model"}') + r" (\S+)$",
+                      text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = client.get("/metrics").text
+
+    async def on_replica_1():
+        stream = engine.replicas[1].add_request("lat", [50, 51, 52], SamplingParams(max_tokens=3))
+        async for _ in stream:
+            pass
+
+    client.portal.call(on_replica_1)
+    after = client.get("/metrics").text
+    assert count(after, 1) == count(before, 1) + 1
+    assert count(after, 0) == count(before, 0)
+    for name in ("inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert f'aioengine:{name}_count{{engine="1",model_name="fake-model"}}' in after

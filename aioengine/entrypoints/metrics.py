@@ -163,12 +163,33 @@ class _QuotaCollector:
         yield from (requests, prompt, generation, running, rejected)
 
 
+class ReplicaLatency:
+    """One replica's ``LatencyObserver``: the latency histograms' samples under
+    its ``engine`` label."""
+
+    def __init__(self, ttft, itl, e2e, queue) -> None:
+        self._ttft, self._itl, self._e2e, self._queue = ttft, itl, e2e, queue
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self._queue.observe(seconds)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+
 class EngineMetrics:
-    """The Prometheus registry of one server; also the engine's ``LatencyObserver``.
+    """The Prometheus registry of one server; it observes latencies as replica 0
+    (``replica_observers``: each replica's ``LatencyObserver``).
 
     Args:
-        engine: a started ``AsyncEngine``; this object installs itself as
-            its ``latency_observer``.
+        engine: a started ``AsyncEngine`` or ``DPAsyncEngine``; each replica's
+            ``latency_observer`` becomes its ``ReplicaLatency``.
         quotas: the server's API keys, for the per-key counters (``api_key_*``).
     """
 
@@ -181,33 +202,32 @@ class EngineMetrics:
             self.registry.register(_QuotaCollector(quotas))
 
         def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"aioengine:{name}", help_text, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(model_name)
+            return Histogram(f"aioengine:{name}", help_text, ["model_name", "engine"],
+                             buckets=buckets, registry=self.registry)
 
-        self._ttft = histogram("time_to_first_token_seconds",
-                               "Time from arrival to the first generated token.", TTFT_BUCKETS)
-        self._itl = histogram("inter_token_latency_seconds",
-                              "Time between two steps that gave a request tokens.", ITL_BUCKETS)
-        self._e2e = histogram("e2e_request_latency_seconds",
-                              "Time from arrival to finish of requests that finished normally.",
-                              REQUEST_LATENCY_BUCKETS)
-        self._queue = histogram("request_queue_time_seconds",
-                                "Time from arrival to first being scheduled.",
-                                REQUEST_LATENCY_BUCKETS)
-        engine.latency_observer = self
-
-    # -- LatencyObserver ---------------------------------------------------------------
-    def observe_queue_time(self, seconds: float) -> None:
-        self._queue.observe(seconds)
-
-    def observe_ttft(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
-
-    def observe_itl(self, seconds: float) -> None:
-        self._itl.observe(seconds)
-
-    def observe_e2e(self, seconds: float) -> None:
-        self._e2e.observe(seconds)
+        ttft = histogram("time_to_first_token_seconds",
+                         "Time from arrival to the first generated token.", TTFT_BUCKETS)
+        itl = histogram("inter_token_latency_seconds",
+                        "Time between two steps that gave a request tokens.", ITL_BUCKETS)
+        e2e = histogram("e2e_request_latency_seconds",
+                        "Time from arrival to finish of requests that finished normally.",
+                        REQUEST_LATENCY_BUCKETS)
+        queue = histogram("request_queue_time_seconds",
+                          "Time from arrival to first being scheduled.", REQUEST_LATENCY_BUCKETS)
+        # One observer per replica, its histograms under its own ``engine`` label
+        # like every other series; this object observes as replica 0.
+        self.replica_observers = []
+        for rank, replica in enumerate(replicas_of(engine)):
+            label = (model_name, str(rank))
+            observer = ReplicaLatency(ttft.labels(*label), itl.labels(*label),
+                                      e2e.labels(*label), queue.labels(*label))
+            replica.latency_observer = observer
+            self.replica_observers.append(observer)
+        first = self.replica_observers[0]
+        self.observe_queue_time = first.observe_queue_time
+        self.observe_ttft = first.observe_ttft
+        self.observe_itl = first.observe_itl
+        self.observe_e2e = first.observe_e2e
 
     # -- scrape ------------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
