@@ -144,3 +144,32 @@ def test_latency_histograms_carry_the_replicas_engine_label(client):
     for name in ("inter_token_latency_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds"):
         assert f'aioengine:{name}_count{{engine="1",model_name="fake-model"}}' in after
+
+
+def test_a_full_waiting_queue_on_the_routed_replica_spills_to_another():
+    """Prefix routing sends a hot prompt to the replica that caches it; once that
+    replica's waiting queue is full the request goes to another one, not 429
+    while that one sits idle. 429 only when every queue is full."""
+    import asyncio
+
+    from aioengine.errors import SchedulerQueueFull
+    from aioengine.sampling_params import SamplingParams
+
+    async def go():
+        config = make_config(max_model_len=512, data_parallel_size=2, executor="process",
+                             standby_worker=False, max_waiting_requests=2)
+        engine = await _start_dp(config)
+        try:
+            prompt_ids = list(range(40, 80))  # 10 blocks: worth 2 requests of load
+            async for _ in engine.replicas[0].add_request("warm", prompt_ids,
+                                                          SamplingParams(max_tokens=1)):
+                pass
+            for i in range(4):  # queued at once: nothing runs in between
+                engine.add_request(f"r{i}", prompt_ids, SamplingParams(max_tokens=2))
+            assert [r.num_in_flight for r in engine.replicas] == [2, 2]
+            with pytest.raises(SchedulerQueueFull):
+                engine.add_request("r4", prompt_ids, SamplingParams(max_tokens=2))
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(go())

@@ -30,6 +30,8 @@ healthy and not draining:
    that keeps paying; a short prefix every prompt shares (a chat template's
    default system prompt) does not pull new conversations onto one replica,
    since one more queued request there costs more than its blocks save.
+3. If the chosen replica's waiting queue is full, the least loaded other
+   replica takes it (429 only when every queue is full).
 
 Load is a replica's requests in flight (added and not yet finished: running,
 waiting and not yet scheduled). ``data_parallel_routing="round_robin"``
@@ -53,7 +55,7 @@ from aioengine.core.block_pool import ROOT_BLOCK_HASH, BlockHash, hash_request_b
 from aioengine.engine.async_engine import AsyncEngine, LatencyObserver, RequestStream
 from aioengine.engine.beam_search import BeamSearchParams
 from aioengine.engine.core import EngineStats
-from aioengine.errors import EngineDeadError
+from aioengine.errors import EngineDeadError, SchedulerQueueFull
 from aioengine.sampling_params import RequestOutput, SamplingParams
 from aioengine.structured.params import StructuredOutputsParams
 
@@ -309,11 +311,30 @@ class DPAsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Route the request and queue it on that replica; errors as
-        ``AsyncEngine.add_request`` (a full waiting queue is the chosen replica's)."""
+        """Route the request and queue it on that replica; if that replica's waiting
+        queue is full, on the least loaded other one that takes requests.
+        Errors as ``AsyncEngine.add_request`` (``SchedulerQueueFull`` only when
+        every such replica's queue is full)."""
         decision = self.route(prompt_token_ids, cache_salt)
-        replica = self.replicas[decision.replica]
-        return replica.add_request(request_id, prompt_token_ids, params, priority, cache_salt)
+        others = sorted(
+            (
+                i
+                for i, r in enumerate(self.replicas)
+                if i != decision.replica and r.healthy and not r.draining
+            ),
+            key=lambda i: (self.replicas[i].num_in_flight, i),
+        )
+        *first, last = [decision.replica, *others]
+        for i in first:
+            try:
+                return self.replicas[i].add_request(
+                    request_id, prompt_token_ids, params, priority, cache_salt
+                )
+            except SchedulerQueueFull:
+                continue
+        return self.replicas[last].add_request(
+            request_id, prompt_token_ids, params, priority, cache_salt
+        )
 
     async def generate(
         self,
