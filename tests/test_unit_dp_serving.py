@@ -173,3 +173,27 @@ def test_a_full_waiting_queue_on_the_routed_replica_spills_to_another():
             await engine.shutdown()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_more_prompts_than_every_waiting_queue_holds_is_400_not_429(dp):
+    """A completions request with more prompts than all waiting queues hold could
+    never be admitted: 400 on ``prompt`` (it was 429, retried forever). With two
+    replicas the prompts spread over both queues."""
+    async def start(config):
+        if dp > 1:
+            return await _start_dp(config)
+        return await AsyncEngine.from_parts(config, make_tokenizer(), FakeExecutor)
+
+    config = make_config(max_model_len=512, max_waiting_requests=2, data_parallel_size=dp,
+                         executor="process", standby_worker=False)
+    with TestClient(build_app(config, engine_factory=start, web_dir="")) as c:
+        body = {"model": "fake-model", "max_tokens": 2}
+        r = c.post("/v1/completions", json=body | {"prompt": ["a", "b", "c"]})
+        if dp == 1:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        else:
+            assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+        r = c.post("/v1/completions", json=body | {"prompt": ["a", "b", "c", "d", "e"]})
+        assert r.status_code == 400, r.text
+        assert c.post("/v1/completions", json=body | {"prompt": ["a", "b"]}).status_code == 200

@@ -163,6 +163,22 @@ class OpenAIServing:
         """The request's engine parameters (``BeamSearchParams`` with ``use_beam_search``)."""
         return request.to_sampling_params(self.default_max_tokens(prompt_len))
 
+    def check_queue_room(self, plan: list[SamplingParams | BeamSearchParams]) -> None:
+        """Refuse (400) an API request whose engine requests (``n`` samples or beams
+        per prompt) outnumber every waiting queue together: it could never be
+        admitted, and the 429 it got (retry later) had clients retry forever.
+
+        Raises:
+            APIError: 400 on ``prompt``.
+        """
+        config = self.engine.config
+        room = config.scheduler.max_waiting_requests * config.parallel.data_parallel_size
+        wanted = sum(p.beam_width if isinstance(p, BeamSearchParams) else p.n for p in plan)
+        if len(plan) > 1 and wanted > room:
+            raise APIError(400, f"{len(plan)} prompts need {wanted} engine requests, more "
+                           f"than the waiting queue holds ({room}); send fewer prompts at "
+                           "once", "prompt", "invalid_value")
+
     async def prepare_structured_outputs(self, request: SamplingRequest,
                                          params: SamplingParams | BeamSearchParams) -> None:
         """Compile the request's output constraint (in the grammar thread, cached)

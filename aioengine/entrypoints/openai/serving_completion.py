@@ -42,6 +42,7 @@ async def completions(request: Request) -> Response:
     prompts = await serving.completion_prompts(req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     plan = [(ids, text, serving.sampling_params(req, len(ids))) for ids, text in prompts]
+    serving.check_queue_room([params for _, _, params in plan])
     await serving.prepare_structured_outputs(req, plan[0][2])
     group = RequestGroup(serving)
     try:
