@@ -197,3 +197,19 @@ def test_more_prompts_than_every_waiting_queue_holds_is_400_not_429(dp):
         r = c.post("/v1/completions", json=body | {"prompt": ["a", "b", "c", "d", "e"]})
         assert r.status_code == 400, r.text
         assert c.post("/v1/completions", json=body | {"prompt": ["a", "b"]}).status_code == 200
+
+
+def test_preflight_counts_every_workers_kv_cache(monkeypatch):
+    """``-dp 2`` (or ``-tp 2``): each worker allocates ``--kv-cache-memory``, so two
+    caches must fit in the free memory, not one (the second worker's would fail
+    late, after the model loads)."""
+    from aioengine.entrypoints import preflight
+
+    gib = 1 << 30
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 3 * gib)
+    one = make_config(num_gpu_blocks_override=None, kv_cache_memory_bytes=2 * gib)
+    preflight.check_model(one)  # fits
+    two = make_config(num_gpu_blocks_override=None, kv_cache_memory_bytes=2 * gib,
+                      data_parallel_size=2, executor="process")
+    with pytest.raises(preflight.StartupError, match=r"per worker \(2 workers: 4 GiB\)"):
+        preflight.check_model(two)

@@ -294,10 +294,14 @@ def check_model(config: Any) -> ModelShape:
                 f"--kv-cache-memory {kv_bytes / (1 << 30):.3g} GiB holds {blocks} KV "
                 f"block(s) of this model; at least {MIN_KV_BLOCKS} are needed ({need:.1f} "
                 f"MiB; 1 GiB holds {(1 << 30) // per_block})")
+    # Every worker holds its own: each tensor-parallel rank of each replica.
+    workers = config.parallel.tensor_parallel_size * config.parallel.data_parallel_size
     available = available_memory_bytes()
-    if available is not None and kv_bytes > available:
+    if available is not None and kv_bytes * workers > available:
+        each = (f" per worker ({workers} workers: {kv_bytes * workers / (1 << 30):.3g} GiB)"
+                if workers > 1 else "")
         raise StartupError(
-            f"{flag}: a KV cache of {kv_bytes / (1 << 30):.3g} GiB is more than the "
+            f"{flag}: a KV cache of {kv_bytes / (1 << 30):.3g} GiB{each} is more than the "
             f"{available / (1 << 30):.1f} GiB of memory this machine has free")
     return shape
 
