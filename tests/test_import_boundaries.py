@@ -70,6 +70,19 @@ print(json.dumps({"modules": sorted(sys.modules), "health": health, "text": text
 """
 
 
+def run_report(script: str) -> dict:
+    """Run ``script`` on the default model in a fresh interpreter; its last line's JSON."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, default_model_path()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def offending(modules: list[str]) -> list[str]:
     bad = [m for m in modules if m.startswith(FORBIDDEN_PREFIXES)]
     bad += [
@@ -89,15 +102,7 @@ def test_the_boundary_rule_itself():
 def test_engine_process_never_imports_model_code_worker_or_kernels():
     """A real ``AsyncEngine`` with its worker subprocess generates two tokens;
     the engine process's ``sys.modules`` then holds none of the worker's code."""
-    result = subprocess.run(
-        [sys.executable, "-c", ENGINE_SCRIPT, default_model_path()],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_report(ENGINE_SCRIPT)
     assert report["text"], "the engine generated nothing"
     assert "aioengine.engine.core" in report["modules"]
     assert offending(report["modules"]) == []
@@ -109,15 +114,7 @@ def test_server_start_never_imports_torch_in_the_engine_process():
     completion leave torch out of the engine process: importing it there
     (``AutoTokenizer`` does) cost about 3 s of a 4 s start, serially before
     the worker was spawned."""
-    result = subprocess.run(
-        [sys.executable, "-c", SERVER_SCRIPT, default_model_path()],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_report(SERVER_SCRIPT)
     assert report["health"] == 200 and report["text"]
     assert "torch" not in report["modules"]
     assert offending(report["modules"]) == []

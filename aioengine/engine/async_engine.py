@@ -102,6 +102,27 @@ class RequestStream:
                 self._engine.abort(self.request_id)
 
 
+async def generate_stream(
+    engine: Any,
+    prompt: str | list[int],
+    params: SamplingParams,
+    request_id: str | None,
+    priority: int,
+) -> AsyncIterator[RequestOutput]:
+    """``engine.generate``'s body, for ``AsyncEngine`` and ``DPAsyncEngine``: tokenize
+    (in a thread), ``add_request``, stream, and abort when the caller leaves early."""
+    token_ids = prompt if isinstance(prompt, list) else await engine.tokenize(prompt)
+    stream = engine.add_request(request_id or engine.new_request_id(), token_ids, params, priority)
+    try:
+        async for output in stream:
+            yield output
+    finally:
+        # Leaving early (break, aclose, cancellation) must free the blocks
+        # now, not when the inner iterator is garbage-collected.
+        if not stream.finished:
+            engine.abort(stream.request_id)
+
+
 class AsyncEngine:
     """Tokenizer, ``EngineCore`` and executor behind an async API.
 
@@ -341,7 +362,7 @@ class AsyncEngine:
         self._wakeup.set()
         return stream
 
-    async def generate(
+    def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
@@ -349,16 +370,7 @@ class AsyncEngine:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Tokenize (in a thread) and stream outputs; see ``add_request`` for errors."""
-        token_ids = prompt if isinstance(prompt, list) else await self.tokenize(prompt)
-        stream = self.add_request(request_id or self.new_request_id(), token_ids, params, priority)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            # Leaving early (break, aclose, cancellation) must free the blocks
-            # now, not when the inner iterator is garbage-collected.
-            if not stream.finished:
-                self.abort(stream.request_id)
+        return generate_stream(self, prompt, params, request_id, priority)
 
     def abort(self, request_id: str) -> None:
         """End a request now and free its blocks; unknown ids are ignored."""

@@ -52,7 +52,12 @@ from dataclasses import dataclass
 
 from aioengine.config import EngineConfig
 from aioengine.core.block_pool import ROOT_BLOCK_HASH, BlockHash, hash_request_blocks
-from aioengine.engine.async_engine import AsyncEngine, LatencyObserver, RequestStream
+from aioengine.engine.async_engine import (
+    AsyncEngine,
+    generate_stream,
+    LatencyObserver,
+    RequestStream,
+)
 from aioengine.engine.beam_search import BeamSearchParams
 from aioengine.engine.core import EngineStats
 from aioengine.errors import EngineDeadError, SchedulerQueueFull
@@ -336,7 +341,7 @@ class DPAsyncEngine:
             request_id, prompt_token_ids, params, priority, cache_salt
         )
 
-    async def generate(
+    def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
@@ -344,14 +349,7 @@ class DPAsyncEngine:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """As ``AsyncEngine.generate``, on the routed replica."""
-        token_ids = prompt if isinstance(prompt, list) else await self.tokenize(prompt)
-        stream = self.add_request(request_id or self.new_request_id(), token_ids, params, priority)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
+        return generate_stream(self, prompt, params, request_id, priority)
 
     def new_request_id(self, prefix: str = "req") -> str:
         return self.replicas[0].new_request_id(prefix)
