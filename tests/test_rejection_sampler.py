@@ -35,6 +35,28 @@ def chisquare_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+def first_tokens_pvalue(outs: list, expected: dict[tuple[int, ...], float], n: int,
+                        min_cells: int = 8) -> float:
+    """Chi-square p-value of the first ``len(key)`` tokens of ``n`` sampled outputs
+    against ``expected`` (probability per token tuple). Cells expected fewer than 5
+    times are pooled into one (the test's validity rule); every observed tuple must be
+    one of ``expected``'s and at least ``min_cells`` cells must remain."""
+    width = len(next(iter(expected)))
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids[:width])
+        assert key in expected, f"{key} is outside the top-3 chain"
+        counts[key] = counts.get(key, 0) + 1
+    big = [c for c in sorted(expected) if expected[c] * n >= 5]
+    small = [c for c in expected if c not in big]
+    observed = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
+    want = [expected[c] * n for c in big] + [sum(expected[c] for c in small) * n]
+    if not small:
+        observed, want = observed[:-1], want[:-1]
+    assert len(big) >= min_cells
+    return chisquare_pvalue(np.array(observed, dtype=np.float64), np.array(want))
+
+
 def _dirichlet(g: torch.Generator, concentration: float) -> torch.Tensor:
     x = -torch.log(torch.rand(V, V, generator=g, dtype=torch.float64)) ** (1 / concentration)
     x = x / x.sum(-1, keepdim=True)

@@ -241,7 +241,7 @@ def test_sampled_tokens_keep_the_target_distribution(models):
     when the p-value is below 1e-3. The noisy draft proposes from its own
     ``q`` (not a point mass), so the second and third tokens go through
     ``min(1, p/q)`` acceptance and the ``max(0, p - q)`` residual."""
-    from test_rejection_sampler import chisquare_pvalue
+    from test_rejection_sampler import first_tokens_pvalue
 
     TEMPERATURE = 2.5
     off = LLM(models["target"], **ENGINE)
@@ -282,19 +282,7 @@ def test_sampled_tokens_keep_the_target_distribution(models):
         llm.shutdown()
     drafted, accepted = s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
     assert drafted >= n and 0 < accepted < drafted, (drafted, accepted)
-    counts: dict[tuple[int, ...], int] = {}
-    for o in outs:
-        key = tuple(o.outputs[0].token_ids[:3])
-        assert key in expected, f"{key} is outside the top-3 chain"
-        counts[key] = counts.get(key, 0) + 1
-    big = [c for c in sorted(expected) if expected[c] * n >= 5]
-    small = [c for c in expected if c not in big]
-    observed = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
-    want = [expected[c] * n for c in big] + [sum(expected[c] for c in small) * n]
-    if not small:
-        observed, want = observed[:-1], want[:-1]
-    assert len(big) >= 8
-    pvalue = chisquare_pvalue(np.array(observed, dtype=np.float64), np.array(want))
+    pvalue = first_tokens_pvalue(outs, expected, n)
     assert pvalue > 1e-3, f"chi-square rejects the target distribution: p={pvalue:.2e}"
 
 

@@ -199,7 +199,7 @@ def test_sampled_tokens_keep_the_target_distribution(engines):
     sampled token already finds a match)."""
     import numpy as np
 
-    from tests.test_rejection_sampler import chisquare_pvalue
+    from tests.test_rejection_sampler import first_tokens_pvalue
 
     off, _ = engines
     on = LLM(executor="inproc", max_num_seqs=64, speculative_config={
@@ -232,20 +232,7 @@ def test_sampled_tokens_keep_the_target_distribution(engines):
         on.shutdown()
     drafted, accepted = s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
     assert drafted > n and 0 < accepted < drafted, (drafted, accepted)
-    counts: dict[tuple[int, ...], int] = {}
-    for o in outs:
-        key = tuple(o.outputs[0].token_ids[:3])
-        assert key in expected, f"{key} is outside the top-3 chain"
-        counts[key] = counts.get(key, 0) + 1
-    # Cells expected fewer than 5 times are pooled into one (the test's validity rule).
-    big = [c for c in sorted(expected) if expected[c] * n >= 5]
-    small = [c for c in expected if c not in big]
-    observed = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
-    want = [expected[c] * n for c in big] + [sum(expected[c] for c in small) * n]
-    if not small:
-        observed, want = observed[:-1], want[:-1]
-    assert len(big) >= 8
-    pvalue = chisquare_pvalue(np.array(observed, dtype=np.float64), np.array(want))
+    pvalue = first_tokens_pvalue(outs, expected, n)
     assert pvalue > 1e-3, f"chi-square rejects the target distribution: p={pvalue:.2e}"
 
 
