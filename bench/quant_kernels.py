@@ -161,8 +161,9 @@ def bench_linears(formats: list[QT], rows: list[int], min_time: float,
     return results
 
 
-def bench_decode(batches: list[int], min_time: float) -> list[dict]:
-    """The default model's 30 Q4_1 layers in one fused call, plus the Q8_0 LM head."""
+def bench_decode(batches: list[int], min_time: float, breakdown: bool = False) -> list[dict]:
+    """The default model's 30 Q4_1 layers in one fused call, plus the Q8_0 LM head;
+    ``breakdown``: also the fused step's wall time by op (``set_profile``)."""
     hidden, inter, heads, kv_heads, head_dim, layers = 576, 1536, 9, 3, 64, 30
     qkv_rows = (heads + 2 * kv_heads) * head_dim
     ones = torch.ones(hidden)
@@ -182,17 +183,37 @@ def bench_decode(batches: list[int], min_time: float) -> list[dict]:
                "token_ms": (layers_s + head_s) * 1e3, "tok_s": batch / (layers_s + head_s),
                "layers_gbs": layer_bytes / layers_s / 1e9,
                "lm_head_gbs": head.nbytes / head_s / 1e9}
+        if breakdown:
+            row["breakdown_ms"] = _breakdown(fused, batch, layers, kv_heads, head_dim, hidden)
         results.append(row)
         print(f"decode batch {batch:3d}: 30 Q4_1 layers {row['layers_ms']:6.2f} ms "
               f"({row['layers_gbs']:4.1f} GB/s) + Q8_0 head {row['lm_head_ms']:6.2f} ms "
               f"({row['lm_head_gbs']:4.1f} GB/s) = {row['token_ms']:6.2f} ms a step, "
               f"{row['tok_s']:7.1f} tok/s", flush=True)
+        if breakdown:
+            print("  by op (ms a step): " + ", ".join(
+                f"{op} {ms:.2f}" for op, ms in row["breakdown_ms"].items()), flush=True)
     return results
 
 
+def _breakdown(fused, batch: int, layers: int, kv_heads: int, head_dim: int, hidden: int,
+               steps: int = 20) -> dict[str, float]:
+    """Milliseconds a step by op of the fused step (wall clock inside the C++ call)."""
+    impl = fused._impl
+    impl.set_profile(True)
+    try:
+        _time_layers(fused, batch, layers, kv_heads, head_dim, hidden, min_time=0.0,
+                     calls=steps)
+        seconds = impl.op_seconds()
+    finally:
+        impl.set_profile(False)
+    return {name: s / steps * 1e3 for name, s in zip(impl.op_names(), seconds)}
+
+
 def _time_layers(fused, batch: int, layers: int, kv_heads: int, head_dim: int, hidden: int,
-                 min_time: float) -> float:
-    """Seconds for one fused decode step of ``batch`` sequences, 128 tokens of context."""
+                 min_time: float, calls: int = 0) -> float:
+    """Seconds for one fused decode step of ``batch`` sequences, 128 tokens of context;
+    ``calls`` > 0: just run it that many times (returns 0)."""
     context, block_size = 128, 16
     blocks_per_seq = context // block_size
     kv_cache = torch.randn(layers, 2, batch * blocks_per_seq, block_size, kv_heads,
@@ -202,9 +223,16 @@ def _time_layers(fused, batch: int, layers: int, kv_heads: int, head_dim: int, h
     slots = (block_tables[:, -1].long() * block_size + block_size - 1).contiguous()
     cos, sin = torch.ones(batch, head_dim), torch.zeros(batch, head_dim)
     residual = torch.randn(batch, hidden)
-    return time_call(lambda: fused._impl.forward(residual.clone(), cos, sin, kv_cache, slots,
-                                                 block_tables, seq_lens, head_dim ** -0.5),
-                     min_time)
+
+    def step():
+        fused._impl.forward(residual.clone(), cos, sin, kv_cache, slots, block_tables, seq_lens,
+                            head_dim ** -0.5)
+
+    if calls:
+        for _ in range(calls):
+            step()
+        return 0.0
+    return time_call(step, min_time)
 
 
 def main() -> None:
@@ -222,6 +250,8 @@ def main() -> None:
     parser.add_argument("--q8", action="store_true",
                         help="also time int8 activations (Q4_0/Q4_1/Q8_0) and the decode "
                              "step with them")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="with --decode: the fused step's time by op")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -243,18 +273,18 @@ def main() -> None:
     print(f"ceilings: fp32 GEMM (MKL 2048^3) {ceiling['fp32_gemm_gflops']:.1f} GFLOP/s, "
           f"memory read {ceiling['read_gbs']:.1f} GB/s")
     formats = [QT[name.strip()] for name in args.formats.split(",")]
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = [int(r) for r in args.rows.split(",") if r]  # "": decode only
     report = {"cpu": model, "flags": flags, "threads": threads, "clock": args.clock,
               "loadavg": os.getloadavg()[0], "ceilings": ceiling,
               "linears": bench_linears(formats, rows, args.min_time, args.q8)}
     if args.decode:
         batches = [int(b) for b in args.decode_batch.split(",")]
         cpu_ops.set_q8_activations(False)
-        report["decode"] = bench_decode(batches, args.min_time)
+        report["decode"] = bench_decode(batches, args.min_time, args.breakdown)
         if args.q8 and cpu_ops.set_q8_activations(True):
             print("with int8 activations:")
             try:
-                report["decode_q8"] = bench_decode(batches, args.min_time)
+                report["decode_q8"] = bench_decode(batches, args.min_time, args.breakdown)
             finally:
                 cpu_ops.set_q8_activations(False)
     path = Path(args.out) if args.out else RESULTS_DIR / "quant_kernels.json"

@@ -59,8 +59,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_q8_activations", &aioengine::set_q8_activations, pybind11::arg("on"),
         "int8 activations for the quantized GEMV (VNNI builds); False if the build has none.");
   m.def("q8_activations", &aioengine::q8_activations);
+  m.def("set_bf16_gemm", &aioengine::set_bf16_gemm, pybind11::arg("on"),
+        "The AMX GEMM in plain bf16 (True) or bf16 hi + lo, fp32-grade (False, the default).");
+  m.def("bf16_gemm", &aioengine::bf16_gemm);
   m.def("quant_isa", [] { return static_cast<int>(aioengine::resolve_isa(-1)); },
-        "The instruction-set path the quantized kernels use: 0 scalar, 1 AVX2, 2 AVX-512.");
+        "The instruction-set path the quantized kernels use: 0 scalar, 1 AVX2, 2 AVX-512, "
+        "3 AVX-512 with AMX-BF16 for the GEMM.");
   namespace py = pybind11;
   using aioengine::DecoderLayerWeights;
   using aioengine::Projection;
@@ -104,5 +108,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("activation") = "silu", py::arg("attn_logit_softcap") = 0.0)
-      .def("forward", &aioengine::LlamaDecodeLayers::forward, release());
+      .def("forward", &aioengine::LlamaDecodeLayers::forward, release())
+      .def("set_profile", &aioengine::LlamaDecodeLayers::set_profile, py::arg("on"),
+           "Time forward()'s ops (wall clock) from now on, totals reset; off by default.")
+      .def("op_seconds", &aioengine::LlamaDecodeLayers::op_seconds,
+           "Seconds per op summed over forward() calls since set_profile(True).")
+      .def_static("op_names", &aioengine::LlamaDecodeLayers::op_names);
 }

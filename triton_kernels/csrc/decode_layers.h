@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -116,6 +118,17 @@ class LlamaDecodeLayers {
     }
   }
 
+  // Per-op wall time of forward() while profiling is on (bench/quant_kernels.py
+  // --breakdown): seconds summed over calls, by op (op_names()).
+  void set_profile(bool on) {
+    profile_ = on;
+    op_seconds_.fill(0.0);
+  }
+  std::vector<double> op_seconds() const { return {op_seconds_.begin(), op_seconds_.end()}; }
+  static std::vector<std::string> op_names() {
+    return {"qkv_proj", "attention", "o_proj", "gate_up_proj", "down_proj", "other"};
+  }
+
  private:
   // forward() for a cache of element type cache_t (K/V are rounded to it when written).
   template <typename cache_t>
@@ -170,10 +183,13 @@ class LlamaDecodeLayers {
     a.scale = static_cast<float>(scale);
     a.softcap = softcap_;
 
+    OpClock clock(profile_ ? &op_seconds_ : nullptr);
     for (int64_t i = 0; i < num_layers_; ++i) {
       const Layer& l = layers_[i];
       fused_add_rms_norm_impl<float>(x, residual, l.input_layernorm, eps_);
+      clock.lap(kOpOther);
       project(qkv, x, l.qkv_proj, l.qkv_bias);
+      clock.lap(kOpQkv);
       float* qkv_ptr = qkv.data_ptr<float>();
       if (l.q_norm.defined()) {  // Q heads, then K heads, each over head_dim
         rms_norm_heads_f32(qkv_ptr, M, qkv_n, num_heads_, head_dim_, l.q_norm.data_ptr<float>(),
@@ -198,7 +214,9 @@ class LlamaDecodeLayers {
       a.v = value_cache;
       a.window = l.sliding_window;
       decode_attention_run(a);
+      clock.lap(kOpAttention);
       project(o, attn, l.o_proj, at::Tensor());
+      clock.lap(kOpO);
       if (l.pre_feedforward_layernorm.defined()) {  // Gemma: norm the output, then add
         rms_norm_heads_f32(o.data_ptr<float>(), M, hidden_, 1, hidden_,
                            l.post_attention_layernorm.data_ptr<float>(), eps_);
@@ -206,17 +224,22 @@ class LlamaDecodeLayers {
       } else {
         fused_add_rms_norm_impl<float>(o, residual, l.post_attention_layernorm, eps_);
       }
+      clock.lap(kOpOther);
       project(gate_up, o, l.gate_up_proj, at::Tensor());
+      clock.lap(kOpGateUp);
       if (activation_ == GatedActivation::kGeluTanh)
         gelu_tanh_and_mul_f32(act.data_ptr<float>(), gate_up.data_ptr<float>(), M, intermediate_);
       else
         silu_and_mul_impl<float>(act, gate_up);
+      clock.lap(kOpOther);
       project(x, act, l.down_proj, at::Tensor());
+      clock.lap(kOpDown);
       if (l.post_feedforward_layernorm.defined())
         rms_norm_heads_f32(x.data_ptr<float>(), M, hidden_, 1, hidden_,
                            l.post_feedforward_layernorm.data_ptr<float>(), eps_);
     }
     fused_add_rms_norm_impl<float>(x, residual, final_norm_, eps_);
+    clock.lap(kOpOther);
     return x;
   }
 
@@ -231,6 +254,25 @@ class LlamaDecodeLayers {
     quant_linear_into(y.data_ptr<float>(), y.size(1), x.data_ptr<float>(), x.size(1),
                                  x.size(0), w, b, isa_);
   }
+
+  enum Op { kOpQkv, kOpAttention, kOpO, kOpGateUp, kOpDown, kOpOther, kNumOps };
+
+  // Adds the time since the last lap to an op's total (no-op without a sink).
+  class OpClock {
+   public:
+    explicit OpClock(std::array<double, kNumOps>* sink)
+        : sink_(sink), last_(std::chrono::steady_clock::now()) {}
+    void lap(Op op) {
+      if (sink_ == nullptr) return;
+      const auto now = std::chrono::steady_clock::now();
+      (*sink_)[op] += std::chrono::duration<double>(now - last_).count();
+      last_ = now;
+    }
+
+   private:
+    std::array<double, kNumOps>* sink_;
+    std::chrono::steady_clock::time_point last_;
+  };
 
   struct Layer {
     at::Tensor input_layernorm, post_attention_layernorm, qkv_bias;
@@ -247,6 +289,8 @@ class LlamaDecodeLayers {
   GatedActivation activation_;
   float softcap_;
   Isa isa_;
+  bool profile_ = false;
+  std::array<double, kNumOps> op_seconds_{};
 };
 
 }  // namespace aioengine

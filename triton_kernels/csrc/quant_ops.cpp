@@ -9,6 +9,7 @@
 
 #include "quant_ops.h"
 
+#include "quant_amx.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
@@ -859,7 +860,7 @@ RowDequant row_dequant(int qtype, Isa isa) {
     default: TORCH_CHECK(false, "quant: unsupported GGML type ", qtype);                 \
   }
 #if defined(AIOENGINE_HAVE_AVX512)
-  if (isa == Isa::kAvx512) { AIOENGINE_TABLE(avx512) }
+  if (isa >= Isa::kAvx512) { AIOENGINE_TABLE(avx512) }
 #endif
 #if defined(AIOENGINE_HAVE_AVX2)
   if (isa == Isa::kAvx2) { AIOENGINE_TABLE(avx2) }
@@ -891,7 +892,7 @@ AIOENGINE_MICRO_TABLE(avx2)
 inline void micro(Isa isa, int M, int R, const float* x, int64_t ldx, const float* w,
                   int64_t ldw, int64_t K, float* y, int64_t ldy) {
 #if defined(AIOENGINE_HAVE_AVX512)
-  if (isa == Isa::kAvx512) return avx512_micro(M, R)(x, ldx, w, ldw, K, y, ldy);
+  if (isa >= Isa::kAvx512) return avx512_micro(M, R)(x, ldx, w, ldw, K, y, ldy);
 #endif
 #if defined(AIOENGINE_HAVE_AVX2)
   if (isa == Isa::kAvx2) return avx2_micro(M, R)(x, ldx, w, ldw, K, y, ldy);
@@ -908,8 +909,12 @@ Isa resolve_isa(int64_t requested) {
 #elif defined(AIOENGINE_HAVE_AVX2)
   best = Isa::kAvx2;
 #endif
+#if defined(AIOENGINE_HAVE_AVX512)
+  if (amx::available()) best = Isa::kAmx;
+#endif
   if (requested < 0) return best;
-  TORCH_CHECK(requested <= 2, "quant: isa must be -1 (best), 0 (scalar), 1 (AVX2) or 2 (AVX-512)");
+  TORCH_CHECK(requested <= 3, "quant: isa must be -1 (best), 0 (scalar), 1 (AVX2), 2 (AVX-512) "
+              "or 3 (AMX)");
   Isa isa = static_cast<Isa>(requested);
   return static_cast<int>(isa) > static_cast<int>(best) ? best : isa;
 }
@@ -992,6 +997,13 @@ bool set_q8_activations(bool on) {
 
 bool q8_activations() { return q8_activations_on.load(); }
 
+namespace {
+std::atomic<bool> bf16_gemm_on{false};
+}  // namespace
+
+void set_bf16_gemm(bool on) { bf16_gemm_on.store(on); }
+bool bf16_gemm() { return bf16_gemm_on.load(); }
+
 void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
                        const QuantLinear& w, const float* bias, Isa isa) {
   const int64_t K = w.cols;
@@ -1003,16 +1015,24 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
   std::vector<int64_t> row_bytes(w.parts.size());
   // Parts decoded in registers (AVX-512 GEMV for the 32-value formats) or through the buffer.
   std::vector<char> fused(w.parts.size(), 0);
+  // AMX (M > 8): x packed into bf16 tiles once, before the threads
+  const bool use_amx = isa == Isa::kAmx && M > kGemvMaxRows;
+  thread_local amx::PackedActivations packed;
+  // a pointer: inside the threads' lambda `packed` would name each thread's own instance
+  const amx::PackedActivations* xp = &packed;
+  if (use_amx)
+    amx::pack_activations(x, ldx, M, K,
+                          bf16_gemm() ? amx::Precision::kBf16 : amx::Precision::kBf16x3, &packed);
 #if defined(AIOENGINE_HAVE_VNNI)
   // int8 activations (opt-in): x quantized once per format family, before the threads
   thread_local vnni::Q8Activations q8[3];  // Q4_0, Q4_1, Q8_0
   bool quantized[3] = {false, false, false};
-  const bool use_q8 = q8_activations() && isa == Isa::kAvx512 && M <= kGemvMaxRows;
+  const bool use_q8 = q8_activations() && isa >= Isa::kAvx512 && M <= kGemvMaxRows;
   std::vector<const vnni::Q8Activations*> q8_of(w.parts.size(), nullptr);
 #endif
   for (size_t p = 0; p < w.parts.size(); ++p) {
 #if defined(AIOENGINE_HAVE_AVX512)
-    fused[p] = isa == Isa::kAvx512 && M <= kGemvMaxRows &&
+    fused[p] = isa >= Isa::kAvx512 && M <= kGemvMaxRows &&
                avx512::gemv(w.parts[p].qtype, 1, 1) != nullptr;
 #endif
 #if defined(AIOENGINE_HAVE_VNNI)
@@ -1036,6 +1056,7 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
     thread_local std::vector<float> buffer;
     if (static_cast<int64_t>(buffer.size()) < T * K) buffer.resize(T * K);
     float* buf = buffer.data();
+    if (use_amx) amx::tile_begin();
     size_t p = 0;
     for (int64_t t = begin; t < end; ++t) {
       while (t >= first_tile[p + 1]) ++p;
@@ -1079,6 +1100,10 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
 #endif
       for (int64_t r = 0; r < rows; ++r)
         dequant[p](part.data + (r0 + r) * part.row_stride, K, buf + r * K);
+      if (use_amx) {
+        amx::gemm_tile(buf, K, rows, *xp, y + n0, ldy, bias != nullptr ? bias + n0 : nullptr);
+        continue;
+      }
       for (int64_t rr = 0; rr < rows; rr += 4) {
         const int R = static_cast<int>(std::min<int64_t>(4, rows - rr));
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -1090,6 +1115,7 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
         for (int64_t m = 0; m < M; ++m)
           for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] += bias[n0 + r];
     }
+    if (use_amx) amx::tile_release();
   });
 }
 

@@ -26,10 +26,12 @@ enum QType : int {
   kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
 };
 
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAmx: the AVX-512 kernels, and AMX-BF16 tiles for the GEMM (quant_amx.h).
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
-// The best path this build has; `requested` < 0 means the best, otherwise it is lowered to
-// what the build has (asking for AVX-512 on an AVX2 build gives AVX2).
+// The best path this build and CPU have; `requested` < 0 means the best, otherwise it is
+// lowered to what they have (asking for AVX-512 on an AVX2 build gives AVX2; AMX needs
+// an AVX-512 build with AMX-BF16 code, the CPU's AMX-BF16 and the OS's tile permission).
 Isa resolve_isa(int64_t requested);
 
 // Values per block and bytes per block of a format; TORCH_CHECK-fails on an unknown one.
@@ -63,9 +65,10 @@ QuantLinear make_quant_linear(const std::vector<at::Tensor>& parts,
 // M <= 8 (GEMV, bound by decoding the weight): tiles of 4 weight rows dotted with 4 rows
 // of x at a time; on AVX-512 the 32-value formats (Q8_0, Q4_0/1, Q5_0/1) are decoded in
 // registers, the others into an L1 buffer first. M > 8 (GEMM): tiles of 16 rows are
-// dequantized into a thread-local buffer and a register-blocked 4x4 micro-kernel runs
-// over it, so each weight byte is dequantized once per call whatever M is. Threads split
-// the tiles (at::parallel_for).
+// dequantized into a thread-local buffer, so each weight byte is dequantized once per
+// call whatever M is, and multiplied by a register-blocked 4x4 fp32 micro-kernel, or on
+// Isa::kAmx by AMX-BF16 tiles (quant_amx.h; precision as set_bf16_gemm says). Threads
+// split the tiles (at::parallel_for).
 void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
                        const QuantLinear& w, const float* bias, Isa isa);
 
@@ -74,6 +77,11 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
 // q8 activations). Off by default; returns false (and stays off) on a build without VNNI.
 bool set_q8_activations(bool on);
 bool q8_activations();
+
+// The AMX GEMM's precision: false (the default) splits x and the weight into bf16 hi + lo
+// and sums three products (fp32-grade); true takes bf16 x and weight (hi only), faster.
+void set_bf16_gemm(bool on);
+bool bf16_gemm();
 
 // Tensor entry points (bound in bindings.cpp); `isa` as in resolve_isa.
 at::Tensor quant_dequantize(at::Tensor data, int64_t qtype, int64_t cols, int64_t isa);

@@ -1,0 +1,191 @@
+// AMX-BF16 tiles for the quantized GEMM (quant_amx.h).
+
+#include "quant_amx.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__) && defined(__linux__)
+#define AIOENGINE_HAVE_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace aioengine {
+namespace amx {
+
+#if defined(AIOENGINE_HAVE_AMX)
+namespace {
+
+constexpr int kArchReqXcompPerm = 0x1023;  // arch/x86/include/uapi/asm/prctl.h
+constexpr int kXfeatureXtiledata = 18;
+constexpr int64_t kTile = 16;           // rows of a tile: weight rows (A, C) and x rows (B, C)
+constexpr int64_t kChunk = 32;          // bf16 values of K in a tile row (64 bytes)
+constexpr int64_t kTileElems = kTile * kChunk;  // bf16 values in a 1 KiB tile
+
+// Tile registers (literal numbers below: the intrinsics paste them into the assembly):
+// tmm0/1 A (weight) hi/lo; tmm2/3 B hi for two groups of 16 rows of x, tmm4/5 their lo;
+// tmm6/7 C for the two groups.
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// bf16 hi (and lo = bf16(v - hi)) of n <= 32 values of src (zeros past n), 32 each.
+inline void split32(const float* src, int64_t n, uint16_t* hi, uint16_t* lo) {
+  const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
+  const __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : static_cast<__mmask16>((1u << (n - 16)) - 1);
+  const __m512 v0 = _mm512_maskz_loadu_ps(m0, src), v1 = _mm512_maskz_loadu_ps(m1, src + 16);
+  const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0));  // RNE
+  _mm512_storeu_si512(hi, h);
+  if (lo == nullptr) return;
+  const __m512 h0 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+  const __m512 h1 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  // v - hi is exact in fp32 (it drops hi's 8 leading bits)
+  _mm512_storeu_si512(lo, reinterpret_cast<__m512i>(
+                              _mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, h1), _mm512_sub_ps(v0, h0))));
+}
+
+}  // namespace
+
+bool available() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+    const bool avx512_bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);
+    if (!amx_bf16 || !amx_tile || !avx512_bf16) return false;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+void pack_activations(const float* x, int64_t ldx, int64_t M, int64_t K, Precision precision,
+                      PackedActivations* p) {
+  TORCH_CHECK(available(), "amx: AMX-BF16 is not available on this CPU or OS");
+  p->rows = M;
+  p->cols = K;
+  p->row_tiles = (M + kTile - 1) / kTile;
+  p->k_chunks = (K + kChunk - 1) / kChunk;
+  p->precision = precision;
+  const int64_t n = p->row_tiles * p->k_chunks * kTileElems;
+  const bool x3 = precision == Precision::kBf16x3;
+  p->hi.assign(n, 0);
+  p->lo.assign(x3 ? n : 0, 0);
+  alignas(64) uint16_t hi[kChunk], lo[kChunk];
+  // Pair j (values 2j, 2j + 1) of row m goes to the tile's row j, column m.
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(kTile));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kc = 0; kc < p->k_chunks; ++kc) {
+      split32(x + m * ldx + kc * kChunk, K - kc * kChunk, hi, x3 ? lo : nullptr);
+      const int64_t tile = ((m / kTile) * p->k_chunks + kc) * kTileElems;
+      const __m512i index = _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(m % kTile)));
+      _mm512_i32scatter_epi32(p->hi.data() + tile, index, _mm512_load_si512(hi), 4);
+      if (x3) _mm512_i32scatter_epi32(p->lo.data() + tile, index, _mm512_load_si512(lo), 4);
+    }
+}
+
+// In static storage: GCC 12 drops stores to a local config before ldtilecfg as dead.
+const TileConfig kConfig = [] {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTile;
+    config.colsb[t] = 64;
+  }
+  return config;
+}();
+
+void tile_begin() { _tile_loadconfig(&kConfig); }
+
+void tile_release() { _tile_release(); }
+
+void gemm_tile(const float* w, int64_t ldw, int64_t rows, const PackedActivations& x, float* y,
+               int64_t ldy, const float* bias) {
+  const int64_t chunks = x.k_chunks, K = x.cols;
+  const bool x3 = x.precision == Precision::kBf16x3;
+  thread_local std::vector<uint16_t> a_hi, a_lo;
+  a_hi.resize(chunks * kTileElems);
+  if (x3) a_lo.resize(chunks * kTileElems);
+  for (int64_t kc = 0; kc < chunks; ++kc)
+    for (int64_t r = 0; r < kTile; ++r) {
+      uint16_t* hi = a_hi.data() + kc * kTileElems + r * kChunk;
+      uint16_t* lo = x3 ? a_lo.data() + kc * kTileElems + r * kChunk : nullptr;
+      if (r < rows) {
+        split32(w + r * ldw + kc * kChunk, K - kc * kChunk, hi, lo);
+      } else {
+        std::memset(hi, 0, 64);
+        if (x3) std::memset(lo, 0, 64);
+      }
+    }
+  alignas(64) float c[2][kTile][kTile];
+  for (int64_t mt = 0; mt < x.row_tiles; mt += 2) {
+    const bool two = mt + 1 < x.row_tiles;
+    const uint16_t* b0 = x.hi.data() + mt * chunks * kTileElems;
+    const uint16_t* b1 = b0 + chunks * kTileElems;
+    const uint16_t* l0 = x3 ? x.lo.data() + mt * chunks * kTileElems : nullptr;
+    const uint16_t* l1 = x3 ? l0 + chunks * kTileElems : nullptr;
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t kc = 0; kc < chunks; ++kc) {
+      const int64_t off = kc * kTileElems;
+      _tile_loadd(0, a_hi.data() + off, 64);
+      _tile_loadd(2, b0 + off, 64);
+      if (x3) {  // the small terms first
+        _tile_loadd(1, a_lo.data() + off, 64);
+        _tile_loadd(4, l0 + off, 64);
+        _tile_dpbf16ps(6, 1, 2);
+        _tile_dpbf16ps(6, 0, 4);
+      }
+      _tile_dpbf16ps(6, 0, 2);
+      if (two) {
+        _tile_loadd(3, b1 + off, 64);
+        if (x3) {
+          _tile_loadd(5, l1 + off, 64);
+          _tile_dpbf16ps(7, 1, 3);
+          _tile_dpbf16ps(7, 0, 5);
+        }
+        _tile_dpbf16ps(7, 0, 3);
+      }
+    }
+    _tile_stored(6, c[0], 64);
+    _tile_stored(7, c[1], 64);
+    for (int t = 0; t < (two ? 2 : 1); ++t) {
+      const int64_t m0 = (mt + t) * kTile, mm = std::min(kTile, x.rows - m0);
+      for (int64_t m = 0; m < mm; ++m) {
+        float* ym = y + (m0 + m) * ldy;
+        for (int64_t r = 0; r < rows; ++r) ym[r] = c[t][r][m] + (bias != nullptr ? bias[r] : 0.f);
+      }
+    }
+  }
+}
+
+#else  // no AMX in this build
+
+bool available() { return false; }
+void pack_activations(const float*, int64_t, int64_t, int64_t, Precision, PackedActivations*) {
+  TORCH_CHECK(false, "amx: this build has no AMX-BF16 code");
+}
+void tile_begin() {}
+void tile_release() {}
+void gemm_tile(const float*, int64_t, int64_t, const PackedActivations&, float*, int64_t,
+               const float*) {
+  TORCH_CHECK(false, "amx: this build has no AMX-BF16 code");
+}
+
+#endif
+
+}  // namespace amx
+}  // namespace aioengine

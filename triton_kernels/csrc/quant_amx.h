@@ -1,0 +1,58 @@
+// AMX-BF16 tiles for the quantized GEMM at batch sizes (quant_ops.cpp, 9+ rows of x).
+//
+// Intel AMX (Sapphire Rapids and later) multiplies 16x32 bf16 tiles into 16x16 fp32
+// tiles (TDPBF16PS, 16 x 16 x 32 multiply-adds an instruction), about 16 times the fp32
+// FMA rate of AVX-512 on one core. The quantized GEMM dequantizes each 16-row tile of
+// the weight to fp32 once per call anyway; here those rows become bf16 tiles and the
+// products run on AMX. The weight tile is the A operand (16 weight rows x 32 values of
+// K, row-major as dequantized) and x, packed once per call in AMX's pair-interleaved B
+// layout, the B operand, so no weight transpose is needed; C is y^T for 16 weight rows x
+// 16 rows of x.
+//
+// Precision: every fp32 value v is split into bf16 hi = bf16(v) and lo = bf16(v - hi)
+// (Henry, Tang and Heinecke, "Leveraging the bfloat16 Artificial Intelligence Datatype
+// For Higher-Precision Computations", ARITH 2019). Precision::kBf16x3 sums
+// hi*hi + hi*lo + lo*hi: each product has about 16 significant bits (relative error
+// below 2^-15), fp32-grade for a dot product of a few thousand terms and well inside
+// the fp32 reference's tolerance; Precision::kBf16 takes hi*hi only (relative error of a
+// product up to about 2^-8, the error of bf16 weights and activations), 2-3x faster.
+
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace aioengine {
+namespace amx {
+
+enum class Precision : int { kBf16x3 = 0, kBf16 = 1 };
+
+// Whether the build has AMX-BF16 code and this CPU and OS can run it: CPUID says AMX-TILE
+// and AMX-BF16, and Linux granted this process the tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA; asked once per process, cached).
+bool available();
+
+// x [M, K] in AMX's B layout: per 16-row group of x and 32-column chunk of K, a 1 KiB
+// tile of 16 pair rows (k = 2j, 2j + 1) x 16 rows of x x 2 bf16; zeros past M and K.
+struct PackedActivations {
+  int64_t rows = 0, cols = 0, row_tiles = 0, k_chunks = 0;
+  Precision precision = Precision::kBf16x3;
+  std::vector<uint16_t> hi, lo;  // lo is empty for kBf16
+};
+
+// Packs x (rows ldx floats apart) for gemm_tile. Requires available().
+void pack_activations(const float* x, int64_t ldx, int64_t M, int64_t K, Precision precision,
+                      PackedActivations* packed);
+
+// Loads this thread's tile configuration; call before gemm_tile in each thread (another
+// library may have left a different one) and tile_release() after.
+void tile_begin();
+void tile_release();
+
+// y[m * ldy + r] = dot(x[m], w[r]) (+ bias[r]) for m < x.rows, r < rows (<= 16): w is
+// `rows` fp32 rows of K = x.cols values, ldw floats apart (the dequantized weight tile).
+void gemm_tile(const float* w, int64_t ldw, int64_t rows, const PackedActivations& x, float* y,
+               int64_t ldy, const float* bias);
+
+}  // namespace amx
+}  // namespace aioengine
