@@ -2,6 +2,8 @@
 
 #include "quant_amx.h"
 
+#include "simd.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -29,8 +31,8 @@ constexpr int64_t kChunk = 32;          // bf16 values of K in a tile row (64 by
 constexpr int64_t kTileElems = kTile * kChunk;  // bf16 values in a 1 KiB tile
 
 // Tile registers (literal numbers below: the intrinsics paste them into the assembly):
-// tmm0/1 A (weight) hi/lo; tmm2/3 B hi for two groups of 16 rows of x, tmm4/5 their lo;
-// tmm6/7 C for the two groups.
+// tmm0/1 A, weight rows 0-15 and 16-31; tmm2/3 B, two groups of 16 rows of x; tmm4-7 C
+// for the four pairs. The lo halves (kBf16x3) reuse tmm0-3.
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -40,21 +42,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// bf16 hi (and lo = bf16(v - hi)) of n <= 32 values of src (zeros past n), 32 each.
+// bf16 hi (and lo) of n <= 32 values of src (zeros past n), 32 each.
 inline void split32(const float* src, int64_t n, uint16_t* hi, uint16_t* lo) {
   const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
   const __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : static_cast<__mmask16>((1u << (n - 16)) - 1);
-  const __m512 v0 = _mm512_maskz_loadu_ps(m0, src), v1 = _mm512_maskz_loadu_ps(m1, src + 16);
-  const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0));  // RNE
-  _mm512_storeu_si512(hi, h);
-  if (lo == nullptr) return;
-  const __m512 h0 = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-  const __m512 h1 = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
-  // v - hi is exact in fp32 (it drops hi's 8 leading bits)
-  _mm512_storeu_si512(lo, reinterpret_cast<__m512i>(
-                              _mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, h1), _mm512_sub_ps(v0, h0))));
+  simd::bf16_split(_mm512_maskz_loadu_ps(m0, src), _mm512_maskz_loadu_ps(m1, src + 16), hi, lo);
 }
 
 }  // namespace
@@ -112,61 +104,89 @@ void tile_begin() { _tile_loadconfig(&kConfig); }
 
 void tile_release() { _tile_release(); }
 
-void gemm_tile(const float* w, int64_t ldw, int64_t rows, const PackedActivations& x, float* y,
-               int64_t ldy, const float* bias) {
-  const int64_t chunks = x.k_chunks, K = x.cols;
-  const bool x3 = x.precision == Precision::kBf16x3;
-  thread_local std::vector<uint16_t> a_hi, a_lo;
-  a_hi.resize(chunks * kTileElems);
-  if (x3) a_lo.resize(chunks * kTileElems);
+void pack_weight_rows(const float* w, int64_t ldw, int64_t rows, int64_t K, bool x3,
+                      uint16_t* hi, uint16_t* lo) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
   for (int64_t kc = 0; kc < chunks; ++kc)
-    for (int64_t r = 0; r < kTile; ++r) {
-      uint16_t* hi = a_hi.data() + kc * kTileElems + r * kChunk;
-      uint16_t* lo = x3 ? a_lo.data() + kc * kTileElems + r * kChunk : nullptr;
+    for (int64_t r = 0; r < kWeightRows; ++r) {
+      uint16_t* h = hi + (kc * kWeightRows + r) * kChunk;
+      uint16_t* l = x3 ? lo + (kc * kWeightRows + r) * kChunk : nullptr;
       if (r < rows) {
-        split32(w + r * ldw + kc * kChunk, K - kc * kChunk, hi, lo);
+        split32(w + r * ldw + kc * kChunk, K - kc * kChunk, h, l);
       } else {
-        std::memset(hi, 0, 64);
-        if (x3) std::memset(lo, 0, 64);
+        std::memset(h, 0, 64);
+        if (x3) std::memset(l, 0, 64);
       }
     }
-  alignas(64) float c[2][kTile][kTile];
+}
+
+void gemm_tile(const uint16_t* a_hi, const uint16_t* a_lo, int64_t rows,
+               const PackedActivations& x, float* y, int64_t ldy, const float* bias) {
+  const int64_t chunks = x.k_chunks;
+  const bool x3 = x.precision == Precision::kBf16x3;
+  // Four accumulators, C[a][b] for A tile a and B tile b (tmm4 + 2a + b): a tile product
+  // takes several times its issue interval to complete, so one accumulator would stall.
+  alignas(64) float c[2][2][kTile][kTile];
+  const int64_t a_tiles = rows > kTile ? 2 : 1;
+  const int64_t stride = chunks * kTileElems;  // between B tiles of consecutive row groups
   for (int64_t mt = 0; mt < x.row_tiles; mt += 2) {
     const bool two = mt + 1 < x.row_tiles;
-    const uint16_t* b0 = x.hi.data() + mt * chunks * kTileElems;
-    const uint16_t* b1 = b0 + chunks * kTileElems;
-    const uint16_t* l0 = x3 ? x.lo.data() + mt * chunks * kTileElems : nullptr;
-    const uint16_t* l1 = x3 ? l0 + chunks * kTileElems : nullptr;
+    const uint16_t* b0 = x.hi.data() + mt * stride;
+    const uint16_t* l0 = x3 ? x.lo.data() + mt * stride : nullptr;
+    _tile_zero(4);
+    _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
     for (int64_t kc = 0; kc < chunks; ++kc) {
-      const int64_t off = kc * kTileElems;
-      _tile_loadd(0, a_hi.data() + off, 64);
+      const int64_t off = kc * kTileElems, a_off = 2 * off;
+      _tile_loadd(0, a_hi + a_off, 64);
+      _tile_loadd(1, a_hi + a_off + kTileElems, 64);
       _tile_loadd(2, b0 + off, 64);
-      if (x3) {  // the small terms first
-        _tile_loadd(1, a_lo.data() + off, 64);
-        _tile_loadd(4, l0 + off, 64);
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(6, 0, 4);
-      }
-      _tile_dpbf16ps(6, 0, 2);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(6, 1, 2);
       if (two) {
-        _tile_loadd(3, b1 + off, 64);
-        if (x3) {
-          _tile_loadd(5, l1 + off, 64);
-          _tile_dpbf16ps(7, 1, 3);
-          _tile_dpbf16ps(7, 0, 5);
-        }
-        _tile_dpbf16ps(7, 0, 3);
+        _tile_loadd(3, b0 + stride + off, 64);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+      if (!x3) continue;
+      _tile_loadd(2, l0 + off, 64);  // A hi x B lo
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(6, 1, 2);
+      if (two) {
+        _tile_loadd(3, l0 + stride + off, 64);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+      _tile_loadd(0, a_lo + a_off, 64);  // A lo x B hi
+      _tile_loadd(1, a_lo + a_off + kTileElems, 64);
+      _tile_loadd(2, b0 + off, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(6, 1, 2);
+      if (two) {
+        _tile_loadd(3, b0 + stride + off, 64);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
       }
     }
-    _tile_stored(6, c[0], 64);
-    _tile_stored(7, c[1], 64);
-    for (int t = 0; t < (two ? 2 : 1); ++t) {
-      const int64_t m0 = (mt + t) * kTile, mm = std::min(kTile, x.rows - m0);
-      for (int64_t m = 0; m < mm; ++m) {
-        float* ym = y + (m0 + m) * ldy;
-        for (int64_t r = 0; r < rows; ++r) ym[r] = c[t][r][m] + (bias != nullptr ? bias[r] : 0.f);
+    _tile_stored(4, c[0][0], 64);
+    _tile_stored(5, c[0][1], 64);
+    _tile_stored(6, c[1][0], 64);
+    _tile_stored(7, c[1][1], 64);
+    // C holds y^T: column m of C[a][b] is row m of y's 16 outputs, gathered 16 at a time.
+    const __m512i column = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(kTile));
+    for (int64_t a = 0; a < a_tiles; ++a) {
+      const int64_t r0 = a * kTile, rr = std::min(kTile, rows - r0);
+      const __mmask16 keep = static_cast<__mmask16>((1u << rr) - 1);
+      const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + r0) : _mm512_setzero_ps();
+      for (int64_t t = 0; t < (two ? 2 : 1); ++t) {
+        const int64_t m0 = (mt + t) * kTile, mm = std::min(kTile, x.rows - m0);
+        for (int64_t m = 0; m < mm; ++m) {
+          const __m512 v = _mm512_i32gather_ps(column, &c[a][t][0][m], 4);
+          _mm512_mask_storeu_ps(y + (m0 + m) * ldy + r0, keep, _mm512_add_ps(v, b));
+        }
       }
     }
   }
@@ -180,8 +200,11 @@ void pack_activations(const float*, int64_t, int64_t, int64_t, Precision, Packed
 }
 void tile_begin() {}
 void tile_release() {}
-void gemm_tile(const float*, int64_t, int64_t, const PackedActivations&, float*, int64_t,
-               const float*) {
+void pack_weight_rows(const float*, int64_t, int64_t, int64_t, bool, uint16_t*, uint16_t*) {
+  TORCH_CHECK(false, "amx: this build has no AMX-BF16 code");
+}
+void gemm_tile(const uint16_t*, const uint16_t*, int64_t, const PackedActivations&, float*,
+               int64_t, const float*) {
   TORCH_CHECK(false, "amx: this build has no AMX-BF16 code");
 }
 

@@ -49,10 +49,23 @@ void pack_activations(const float* x, int64_t ldx, int64_t M, int64_t K, Precisi
 void tile_begin();
 void tile_release();
 
-// y[m * ldy + r] = dot(x[m], w[r]) (+ bias[r]) for m < x.rows, r < rows (<= 16): w is
-// `rows` fp32 rows of K = x.cols values, ldw floats apart (the dequantized weight tile).
-void gemm_tile(const float* w, int64_t ldw, int64_t rows, const PackedActivations& x, float* y,
-               int64_t ldy, const float* bias);
+// Weight rows gemm_tile takes at a time (two A tiles).
+constexpr int64_t kWeightRows = 32;
+
+// The A operand of gemm_tile: up to kWeightRows weight rows as bf16 hi (and lo, for
+// kBf16x3) tiles, per 32-column chunk of K 32 rows x 32 values (rows 0-15 the first
+// tile, 16-31 the second), zeros past the rows and K; chunks * 1024 values each.
+inline int64_t weight_tile_elems(int64_t K) { return (K + 31) / 32 * kWeightRows * 32; }
+
+// Fills hi (and lo when x3) from `rows` fp32 rows of K values, ldw floats apart (the
+// dequantized weights; quant_ops.cpp decodes the 32-value formats into them directly).
+void pack_weight_rows(const float* w, int64_t ldw, int64_t rows, int64_t K, bool x3,
+                      uint16_t* hi, uint16_t* lo);
+
+// y[m * ldy + r] = dot(x[m], w[r]) (+ bias[r]) for m < x.rows, r < rows (<= kWeightRows),
+// w given as A tiles (a_lo only read for kBf16x3).
+void gemm_tile(const uint16_t* a_hi, const uint16_t* a_lo, int64_t rows,
+               const PackedActivations& x, float* y, int64_t ldy, const float* bias);
 
 }  // namespace amx
 }  // namespace aioengine

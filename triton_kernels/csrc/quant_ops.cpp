@@ -666,6 +666,41 @@ Gemv gemv(int qtype, int M, int R) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// AMX A tiles (quant_amx.h) of up to amx::kWeightRows rows straight from a 32-value
+// format's blocks: each block is a chunk of K, decoded in registers as for the GEMV.
+template <int QT, int TS>
+void bf16_rows(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t blocks,
+               uint16_t* hi, uint16_t* lo) {
+  for (int64_t r = 0; r < amx::kWeightRows; ++r)
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t at = (i * amx::kWeightRows + r) * QK;
+      if (r < rows) {
+        __m512 a, b;
+        block32<QT>(w + r * row_stride + i * TS, &a, &b);
+        simd::bf16_split(a, b, hi + at, lo != nullptr ? lo + at : nullptr);
+      } else {
+        std::memset(hi + at, 0, 2 * QK);
+        if (lo != nullptr) std::memset(lo + at, 0, 2 * QK);
+      }
+    }
+}
+
+using Bf16Rows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, uint16_t*);
+
+// The direct decoder of a format, or nullptr (the others go through the fp32 buffer).
+Bf16Rows bf16_rows_for(int qtype) {
+  switch (qtype) {
+    case kQ8_0: return bf16_rows<kQ8_0, 34>;
+    case kQ4_0: return bf16_rows<kQ4_0, 18>;
+    case kQ4_1: return bf16_rows<kQ4_1, 20>;
+    case kQ5_0: return bf16_rows<kQ5_0, 22>;
+    case kQ5_1: return bf16_rows<kQ5_1, 24>;
+    default: return nullptr;
+  }
+}
+#endif
+
 }  // namespace avx512
 #endif
 
@@ -1008,21 +1043,22 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
                        const QuantLinear& w, const float* bias, Isa isa) {
   const int64_t K = w.cols;
   // Tile height: at decode 4 rows keep the buffer in L1 and give the threads many tiles;
-  // for batches 16 rows are dequantized once for up to 64+ rows of x.
-  const int64_t T = M <= kGemvMaxRows ? 4 : 16;
+  // for batches 16 rows (32 on AMX: two A tiles) are dequantized once for all rows of x.
+  const bool use_amx = isa == Isa::kAmx && M > kGemvMaxRows;
+  const int64_t T = M <= kGemvMaxRows ? 4 : use_amx ? amx::kWeightRows : 16;
   std::vector<int64_t> first_tile(w.parts.size() + 1, 0), first_row(w.parts.size(), 0);
   std::vector<RowDequant> dequant(w.parts.size());
   std::vector<int64_t> row_bytes(w.parts.size());
   // Parts decoded in registers (AVX-512 GEMV for the 32-value formats) or through the buffer.
   std::vector<char> fused(w.parts.size(), 0);
   // AMX (M > 8): x packed into bf16 tiles once, before the threads
-  const bool use_amx = isa == Isa::kAmx && M > kGemvMaxRows;
+  const bool x3 = !bf16_gemm();
   thread_local amx::PackedActivations packed;
   // a pointer: inside the threads' lambda `packed` would name each thread's own instance
   const amx::PackedActivations* xp = &packed;
   if (use_amx)
-    amx::pack_activations(x, ldx, M, K,
-                          bf16_gemm() ? amx::Precision::kBf16 : amx::Precision::kBf16x3, &packed);
+    amx::pack_activations(x, ldx, M, K, x3 ? amx::Precision::kBf16x3 : amx::Precision::kBf16,
+                          &packed);
 #if defined(AIOENGINE_HAVE_VNNI)
   // int8 activations (opt-in): x quantized once per format family, before the threads
   thread_local vnni::Q8Activations q8[3];  // Q4_0, Q4_1, Q8_0
@@ -1056,7 +1092,12 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
     thread_local std::vector<float> buffer;
     if (static_cast<int64_t>(buffer.size()) < T * K) buffer.resize(T * K);
     float* buf = buffer.data();
-    if (use_amx) amx::tile_begin();
+    thread_local std::vector<uint16_t> a_hi, a_lo;  // AMX A tiles
+    if (use_amx) {
+      a_hi.resize(amx::weight_tile_elems(K));
+      a_lo.resize(x3 ? amx::weight_tile_elems(K) : 0);
+      amx::tile_begin();
+    }
     size_t p = 0;
     for (int64_t t = begin; t < end; ++t) {
       while (t >= first_tile[p + 1]) ++p;
@@ -1098,12 +1139,23 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
         continue;
       }
 #endif
-      for (int64_t r = 0; r < rows; ++r)
-        dequant[p](part.data + (r0 + r) * part.row_stride, K, buf + r * K);
+#if defined(AIOENGINE_HAVE_AVX512) && defined(__AVX512BF16__)
       if (use_amx) {
-        amx::gemm_tile(buf, K, rows, *xp, y + n0, ldy, bias != nullptr ? bias + n0 : nullptr);
+        uint16_t* lo = x3 ? a_lo.data() : nullptr;
+        if (const avx512::Bf16Rows direct = avx512::bf16_rows_for(part.qtype)) {
+          direct(part.data + r0 * part.row_stride, part.row_stride, rows, K / QK, a_hi.data(), lo);
+        } else {
+          for (int64_t r = 0; r < rows; ++r)
+            dequant[p](part.data + (r0 + r) * part.row_stride, K, buf + r * K);
+          amx::pack_weight_rows(buf, K, rows, K, x3, a_hi.data(), lo);
+        }
+        amx::gemm_tile(a_hi.data(), lo, rows, *xp, y + n0, ldy,
+                       bias != nullptr ? bias + n0 : nullptr);
         continue;
       }
+#endif
+      for (int64_t r = 0; r < rows; ++r)
+        dequant[p](part.data + (r0 + r) * part.row_stride, K, buf + r * K);
       for (int64_t rr = 0; rr < rows; rr += 4) {
         const int R = static_cast<int>(std::min<int64_t>(4, rows - rr));
         for (int64_t m0 = 0; m0 < M; m0 += 4) {

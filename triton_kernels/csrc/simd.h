@@ -131,6 +131,23 @@ inline void axpy<c10::BFloat16>(float* y, float alpha, const c10::BFloat16* x, i
 // quantized GEMM's dequantized tile buffer (quant_ops.cpp, which also runs the AVX2 one on
 // an AVX-512 build when a test asks for that path).
 namespace simd {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// 32 fp32 values (v0: 0-15, v1: 16-31) as bf16 hi = bf16(v), rounded to nearest even, and,
+// where lo is given, lo = bf16(v - hi) (v - hi is exact in fp32). For the AMX GEMM
+// (quant_amx.h), whose fp32-grade mode sums hi * hi + hi * lo + lo * hi.
+inline void bf16_split(__m512 v0, __m512 v1, uint16_t* hi, uint16_t* lo) {
+  const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0));
+  _mm512_storeu_si512(hi, h);
+  if (lo == nullptr) return;
+  const __m512 h0 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+  const __m512 h1 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  _mm512_storeu_si512(lo, reinterpret_cast<__m512i>(
+                              _mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, h1), _mm512_sub_ps(v0, h0))));
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 namespace avx2 {
 
