@@ -32,7 +32,7 @@ FORMATS = list(quant.SUPPORTED_QTYPES)
 #: byte offsets of each block's fp16 scales (ggml-common.h)
 SCALE_OFFSETS = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2],
                  QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
 
 needs_kernels = pytest.mark.skipif(cpu_ops.load() is None,
                                    reason="the C++ CPU kernels did not build here")
@@ -40,13 +40,27 @@ needs_kernels = pytest.mark.skipif(cpu_ops.load() is None,
 
 @pytest.fixture(autouse=True)
 def fp32_activations():
-    """These tests check the kernels with fp32 activations, exact up to summation order;
-    the int8 activations have their own tests (test_q8_activations.py)."""
+    """These tests check the kernels with fp32 activations, exact up to summation order
+    (the AMX GEMM in its default bf16 hi + lo mode is held to the same bound); the int8
+    activations and plain-bf16 GEMM have their own tests (test_q8_activations.py,
+    test_quant_amx.py)."""
     ops = cpu_ops.load()
-    before = ops is not None and ops.q8_activations()
+    before = ops is not None and (ops.q8_activations(), ops.bf16_gemm())
     cpu_ops.set_q8_activations(False)
+    cpu_ops.set_bf16_gemm(False)
+    cpu_ops.set_amx(True)
     yield
-    cpu_ops.set_q8_activations(before)
+    if before:
+        cpu_ops.set_q8_activations(before[0])
+        cpu_ops.set_bf16_gemm(before[1])
+    cpu_ops.set_amx(cpu_ops.amx_requested())
+
+
+def skip_unless_path(isa: str) -> None:
+    """AMX runs only where the CPU (and OS) have it; the other paths are in every x86 build
+    that has them and lower requests are served by the best path there is."""
+    if isa == "amx" and cpu_ops.load().quant_isa() != ISAS["amx"]:
+        pytest.skip("no AMX-BF16 on this CPU (or the OS refused its tile state)")
 
 
 def random_weight(qtype: QT, rows: int, cols: int, seed: int, scale: float = 1.0) -> np.ndarray:
@@ -125,6 +139,7 @@ def test_quantized_weight_dequantize_is_the_reference_and_quantize_round_trips()
 @pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_kernel_dequantize_equals_reference_bit_for_bit(qtype, isa):
+    skip_unless_path(isa)
     ops = cpu_ops.load()
     for rows, blocks in [(1, 1), (5, 3), (33, 2)]:
         cols = block_cols(qtype, blocks) * (37 if qtype in (QT.F16, QT.BF16) else 1)
@@ -140,7 +155,12 @@ def test_the_build_reports_its_best_path_and_lower_paths_are_there():
     ops = cpu_ops.load()
     flags = open("/proc/cpuinfo").read()
     best = ops.quant_isa()
-    assert best == (2 if " avx512f" in flags else 1 if " avx2" in flags else 0)
+    avx512 = 2 if " avx512f" in flags else 1 if " avx2" in flags else 0
+    amx = " amx_bf16" in flags and " amx_tile" in flags and " avx512_bf16" in flags
+    assert best in ((3, 2) if amx else (avx512,))  # 2 on an AMX CPU: the OS said no
+    if amx and best == 3:
+        assert cpu_ops.set_amx(False) is False and ops.quant_isa() == 2
+        assert cpu_ops.set_amx(True) is True and ops.quant_isa() == 3
 
 
 @needs_kernels
@@ -163,18 +183,20 @@ def test_embedding_gathers_and_dequantizes_the_rows(qtype):
 # -- the quantized linear ----------------------------------------------------------------
 
 
-LINEAR_ROWS = [1, 2, 3, 4, 5, 8, 17, 32, 64]
+LINEAR_ROWS = [1, 2, 3, 4, 5, 8, 17, 32, 40, 64]  # AMX: 2, 2, 3, 4 groups of 16
 
 
 @needs_kernels
 @pytest.mark.parametrize("isa", list(ISAS))
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_kernel_linear_equals_f_linear_on_the_dequantized_weight(qtype, isa):
+    skip_unless_path(isa)
     ops = cpu_ops.load()
     g = torch.Generator().manual_seed(int(qtype))
-    # N = 37, 39, 70: 4-row tiles with 1, 3, 2 rows left over
-    shapes = [(1, 1), (37, 2), (39, 1), (70, 1)] if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else \
-        [(1, 1), (37, 5), (39, 2), (70, 18)]
+    # N = 37, 51, 70: 4-row tiles with 1, 3, 2 rows left over; AMX's 32-row tiles with 5,
+    # 19 (two A tiles, the second short) and 6
+    shapes = [(1, 1), (37, 2), (51, 1), (70, 1)] if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else \
+        [(1, 1), (37, 5), (51, 2), (70, 18)]
     for n, blocks in shapes:
         k = block_cols(qtype, blocks) + (3 if qtype in (QT.F16, QT.BF16) else 0)
         data = torch.from_numpy(random_weight(qtype, n, k, seed=n + blocks))

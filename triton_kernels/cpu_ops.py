@@ -11,6 +11,9 @@ torch path. Set ``AIOENGINE_CPU_KERNELS=0`` to use the torch implementations thr
 ``AIOENGINE_CPU_KERNELS_BUILD=0`` imports an existing build only, never compiling (every
 model worker after the first runs so). ``AIOENGINE_Q8_ACTIVATIONS=1`` turns on the int8
 activations of the quantized GEMV (``q8_activations_requested``; AVX-512 VNNI builds).
+On a CPU with AMX-BF16 the quantized GEMM (9+ rows) runs on AMX tiles, fp32-grade by
+default; ``AIOENGINE_AMX=0`` keeps it on AVX-512 and ``AIOENGINE_BF16_GEMM=1`` runs it in
+plain bf16 (``amx_requested``, ``bf16_gemm_requested``).
 
 ``load()`` returns the module, or None when the kernels are switched off or the
 build fails (no compiler, say); the reason is logged once and callers fall back
@@ -130,6 +133,43 @@ def set_q8_activations(on: bool) -> bool:
     return bool(ops is not None and ops.set_q8_activations(on))
 
 
+def _env_flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+
+
+def amx_requested() -> bool:
+    """``AIOENGINE_AMX`` (default on): whether the quantized GEMM (9+ rows of x) may run on
+    AMX-BF16 tiles where the CPU has them (``csrc/quant_amx.h``). Their default precision
+    splits x and the weight into bf16 hi + lo parts and sums three products: within the
+    fp32 summation-order bound of the AVX-512 path (tests/test_quant_cpu.py), 1.3-2x
+    faster at 32-64 rows (bench/README.md)."""
+    return _env_flag("AIOENGINE_AMX", "1")
+
+
+def bf16_gemm_requested() -> bool:
+    """``AIOENGINE_BF16_GEMM`` (default off): the AMX GEMM with plain bf16 x and weights
+    (one product instead of three; 2-3.7x MKL fp32 at 32-64 rows on one core), relative
+    error about 2^-8 per product (tests/test_quant_amx.py states its greedy agreement)."""
+    return _env_flag("AIOENGINE_BF16_GEMM", "0")
+
+
+def set_amx(on: bool) -> bool:
+    """Allow or forbid the AMX GEMM from the next call on (the fused decode step's too);
+    returns whether AMX is now in use. Off, every GEMM runs the exact fp32 AVX-512 path."""
+    ops = load()
+    return bool(ops is not None and ops.set_amx(on))
+
+
+def set_bf16_gemm(on: bool) -> bool:
+    """The AMX GEMM in plain bf16 (True) or fp32-grade bf16 hi + lo (False, the default);
+    returns whether an AMX GEMM exists here to switch (False: the setting is moot)."""
+    ops = load()
+    if ops is None:
+        return False
+    ops.set_bf16_gemm(on)
+    return ops.quant_isa() == 3
+
+
 def build_allowed() -> bool:
     """False when ``AIOENGINE_CPU_KERNELS_BUILD`` is 0: ``load()`` then only imports an
     existing build and never compiles (or waits on another process's compile). A
@@ -180,6 +220,11 @@ def load():
                     if q8_activations_requested():
                         logger.info("quantized GEMV: int8 activations (AVX-512 VNNI, "
                                     "AIOENGINE_Q8_ACTIVATIONS=1)")
+                _module.set_bf16_gemm(bf16_gemm_requested())
+                if _module.set_amx(amx_requested()):
+                    logger.info("quantized GEMM: AMX-BF16 tiles, %s",
+                                "plain bf16 (AIOENGINE_BF16_GEMM=1)" if bf16_gemm_requested()
+                                else "bf16 hi + lo (fp32-grade)")
             except Exception as exc:  # no compiler, no ninja, a build error: fall back
                 logger.warning("aioengine CPU kernels unavailable, using the torch path: %s",
                                str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)

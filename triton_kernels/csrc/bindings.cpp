@@ -62,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_bf16_gemm", &aioengine::set_bf16_gemm, pybind11::arg("on"),
         "The AMX GEMM in plain bf16 (True) or bf16 hi + lo, fp32-grade (False, the default).");
   m.def("bf16_gemm", &aioengine::bf16_gemm);
+  m.def("set_amx", &aioengine::set_amx, pybind11::arg("on"),
+        "Let the best path be AMX (where the CPU has it); returns whether it now is.");
   m.def("quant_isa", [] { return static_cast<int>(aioengine::resolve_isa(-1)); },
         "The instruction-set path the quantized kernels use: 0 scalar, 1 AVX2, 2 AVX-512, "
         "3 AVX-512 with AMX-BF16 for the GEMM.");

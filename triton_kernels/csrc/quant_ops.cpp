@@ -34,6 +34,8 @@ constexpr int64_t QK_K = 256;  // values per K-quant super-block
 constexpr int64_t kGemvMaxRows = 8;
 // int8 activations for Q4_0/Q4_1 GEMVs up to this many rows (Q8_0: up to kGemvMaxRows).
 constexpr int64_t kQ8MaxRowsQ4 = 2;
+// The fewest rows of x the AMX GEMM takes in its fp32-grade mode (bf16: kGemvMaxRows + 1).
+constexpr int64_t kAmxX3MinRows = 17;
 // How many tiles ahead a thread prefetches its weight bytes.
 constexpr int64_t kPrefetchTiles = 4;
 
@@ -937,6 +939,17 @@ inline void micro(Isa isa, int M, int R, const float* x, int64_t ldx, const floa
 
 }  // namespace
 
+namespace {
+std::atomic<bool> amx_on{true};
+}  // namespace
+
+bool set_amx(bool on) {
+  amx_on.store(on);
+  return on && amx::available();
+}
+
+bool amx_allowed() { return amx_on.load(); }
+
 Isa resolve_isa(int64_t requested) {
   Isa best = Isa::kScalar;
 #if defined(AIOENGINE_HAVE_AVX512)
@@ -945,7 +958,7 @@ Isa resolve_isa(int64_t requested) {
   best = Isa::kAvx2;
 #endif
 #if defined(AIOENGINE_HAVE_AVX512)
-  if (amx::available()) best = Isa::kAmx;
+  if (amx_allowed() && amx::available()) best = Isa::kAmx;
 #endif
   if (requested < 0) return best;
   TORCH_CHECK(requested <= 3, "quant: isa must be -1 (best), 0 (scalar), 1 (AVX2), 2 (AVX-512) "
@@ -1044,7 +1057,10 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
   const int64_t K = w.cols;
   // Tile height: at decode 4 rows keep the buffer in L1 and give the threads many tiles;
   // for batches 16 rows (32 on AMX: two A tiles) are dequantized once for all rows of x.
-  const bool use_amx = isa == Isa::kAmx && M > kGemvMaxRows;
+  // AMX from 9 rows in plain bf16; its fp32-grade mode does three tile products and pays
+  // for them from about 17 rows (bench/README.md). set_amx(false) takes effect at once.
+  const bool x3 = !bf16_gemm();
+  const bool use_amx = isa == Isa::kAmx && amx_allowed() && M > (x3 ? kAmxX3MinRows - 1 : kGemvMaxRows);
   const int64_t T = M <= kGemvMaxRows ? 4 : use_amx ? amx::kWeightRows : 16;
   std::vector<int64_t> first_tile(w.parts.size() + 1, 0), first_row(w.parts.size(), 0);
   std::vector<RowDequant> dequant(w.parts.size());
@@ -1052,7 +1068,6 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
   // Parts decoded in registers (AVX-512 GEMV for the 32-value formats) or through the buffer.
   std::vector<char> fused(w.parts.size(), 0);
   // AMX (M > 8): x packed into bf16 tiles once, before the threads
-  const bool x3 = !bf16_gemm();
   thread_local amx::PackedActivations packed;
   // a pointer: inside the threads' lambda `packed` would name each thread's own instance
   const amx::PackedActivations* xp = &packed;

@@ -78,6 +78,12 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
 bool set_q8_activations(bool on);
 bool q8_activations();
 
+// Whether the GEMM may run on AMX (default true), from the next call on, wherever it is
+// called from; resolve_isa(-1) says kAmx only while allowed. Returns whether AMX is now
+// the best path.
+bool set_amx(bool on);
+bool amx_allowed();
+
 // The AMX GEMM's precision: false (the default) splits x and the weight into bf16 hi + lo
 // and sums three products (fp32-grade); true takes bf16 x and weight (hi only), faster.
 void set_bf16_gemm(bool on);

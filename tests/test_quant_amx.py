@@ -1,0 +1,141 @@
+"""The quantized GEMM on AMX-BF16 tiles in plain bf16 (``AIOENGINE_BF16_GEMM=1``,
+``csrc/quant_amx.h``); its default fp32-grade mode is held to the fp32 bound in
+test_quant_cpu.py.
+
+- The kernel equals ``F.linear`` on the dequantized weight within the error of bf16 x and
+  weights (each rounded to 8 significant bits: a product off by about 2^-8 of ``|x| |w|``,
+  1.5 x 2^-8 with the fp32 sums), every format, odd shapes, 9-64 rows; and it is not the
+  fp32 result.
+- On the default Q4_1 model, 16 sequences side by side (rows where the AMX GEMM runs),
+  against the exact fp32 path (AMX off): next-token agreement over 16 prompts x 64
+  teacher-forced tokens of the fp32 greedy continuation, and perplexity on a fixed text.
+
+Skipped on CPUs without AMX-BF16 (the AVX-512, AVX2 and scalar paths are tested in
+test_quant_cpu.py everywhere they run).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_q8_activations import PROMPTS, TEXT
+from test_quant_cpu import FORMATS, QT, block_cols, random_weight
+from triton_kernels import cpu_ops, quant_reference
+
+pytestmark = pytest.mark.skipif(
+    cpu_ops.load() is None or cpu_ops.load().quant_isa() != 3,
+    reason="no AMX-BF16 on this CPU (or the OS refused its tile state)")
+
+
+@pytest.fixture(autouse=True)
+def bf16_gemm():
+    """The plain-bf16 AMX GEMM for the test, the process's settings restored after."""
+    before = cpu_ops.load().bf16_gemm()
+    cpu_ops.set_amx(True)
+    cpu_ops.set_bf16_gemm(True)
+    yield
+    cpu_ops.set_bf16_gemm(before)
+    cpu_ops.set_amx(cpu_ops.amx_requested())
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_bf16_gemm_equals_f_linear_within_bf16_rounding(qtype):
+    ops = cpu_ops.load()
+    g = torch.Generator().manual_seed(int(qtype))
+    k_quant = qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K)
+    for n, blocks in ([(37, 2), (51, 1)] if k_quant else [(37, 5), (51, 18)]):
+        k = block_cols(qtype, blocks) + (3 if qtype in (QT.F16, QT.BF16) else 0)
+        data = torch.from_numpy(random_weight(qtype, n, k, seed=n + blocks))
+        w = quant_reference.dequantize(data, qtype)
+        bias = torch.randn(n, generator=g)
+        for m in (9, 16, 33, 64):
+            x = torch.randn(m, k, generator=g)
+            b = bias if m % 2 else None
+            out = ops.quant_linear(x, [data], [int(qtype)], k, b, 3)
+            expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+            # x and w each rounded to 8 bits (2^-9 relative): a product within 2^-8 + 2^-18,
+            # and AMX rounds its fp32 sums (of pairs of products, then into C) on the way
+            bound = 3 * 2 ** -9 * (x.double().abs() @ w.double().abs().T) + 1e-6
+            worst = ((out.double() - expected).abs() / bound).max().item()
+            assert worst <= 1.0, f"M={m} N={n} K={k}: off by {worst:.2f}x the bf16 bound"
+            # the bf16 path ran: an fp32 result would sit within 1e-5 of the bound's base
+            assert not torch.allclose(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+# -- the default model, 16 sequences side by side ------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    from aioengine import LLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM(executor="inproc", max_num_seqs=16, num_threads=1)
+    torch.set_num_threads(threads)
+
+
+def teacher_forced(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Per sequence, the log-softmax ``[len - 1, vocab]`` of each next token, running all
+    the sequences side by side, one token each a step, through the decode path (its GEMM
+    has as many rows as sequences still running), each in its own cache blocks."""
+    from aioengine.models.llama import AttentionMetadata
+
+    runner = llm.executor.runner
+    bs = runner.block_size
+    per_seq = -(-max(map(len, seqs)) // bs)
+    tables = torch.arange(len(seqs) * per_seq, dtype=torch.int32).view(len(seqs), per_seq)
+    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+    with torch.inference_mode():
+        for t in range(max(map(len, seqs)) - 1):
+            live = [i for i, s in enumerate(seqs) if t < len(s) - 1]
+            attn = AttentionMetadata(
+                slot_mapping=torch.tensor([int(tables[i, t // bs]) * bs + t % bs for i in live]),
+                block_tables=tables[live, :t // bs + 1].contiguous(),
+                cu_seqlens_q=torch.arange(len(live) + 1, dtype=torch.int32),
+                seq_lens=torch.full((len(live),), t + 1, dtype=torch.int32), max_seqlen_q=1,
+                max_seqlen_k=t + 1)
+            hidden = runner.model.forward(torch.tensor([seqs[i][t] for i in live]),
+                                          torch.full((len(live),), t), runner.kv_cache, attn)
+            logp = runner.model.compute_logits(hidden).log_softmax(-1)
+            for j, i in enumerate(live):
+                rows[i].append(logp[j])
+    return [torch.stack(r) for r in rows]
+
+
+def test_bf16_gemm_agreement_and_perplexity_against_the_fp32_path(model):
+    from aioengine import SamplingParams
+
+    tok = model.tokenizer
+    prompt_ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    text = tok.encode(TEXT, add_special_tokens=False)
+    cpu_ops.set_amx(False)  # the exact fp32 path (AVX-512)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        outs = model.generate(prompt_ids, params, use_tqdm=False)
+        seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompt_ids, outs)]
+        ref = teacher_forced(model, seqs)
+        ref_text = teacher_forced(model, [text] * 9)[0]  # 9 rows: the GEMM, not the GEMV
+    finally:
+        cpu_ops.set_amx(True)
+    ours = teacher_forced(model, seqs)
+    ours_text = teacher_forced(model, [text] * 9)[0]
+
+    agree = total = 0
+    for s, p, r, o in zip(seqs, prompt_ids, ref, ours):
+        gen = slice(len(p) - 1, len(s) - 1)  # the 64 positions that predict generated tokens
+        assert torch.equal(r[gen].argmax(-1), torch.tensor(s[len(p):])), "reference replay"
+        agree += int((o[gen].argmax(-1) == r[gen].argmax(-1)).sum())
+        total += gen.stop - gen.start
+    assert total == 16 * 64
+    target = torch.tensor(text[1:])
+    ppl_ref = math.exp(-ref_text.gather(1, target[:, None]).mean().item())
+    ppl_bf16 = math.exp(-ours_text.gather(1, target[:, None]).mean().item())
+    print(f"bf16 GEMM: {agree}/{total} next tokens agree with the fp32 path; "
+          f"perplexity {ppl_bf16:.4f} vs {ppl_ref:.4f} on {len(text)} tokens")
+    assert agree >= 0.99 * total
+    assert abs(ppl_bf16 / ppl_ref - 1) <= 0.01
+    assert not torch.allclose(ours_text, ref_text, atol=1e-5)  # the bf16 path did run
