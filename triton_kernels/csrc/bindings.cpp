@@ -60,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 activations for the quantized GEMV (VNNI builds); False if the build has none.");
   m.def("q8_activations", &aioengine::q8_activations);
   m.def("set_bf16_gemm", &aioengine::set_bf16_gemm, pybind11::arg("on"),
-        "The AMX GEMM in plain bf16 (True) or bf16 hi + lo, fp32-grade (False, the default).");
+        "The AMX GEMM in bf16 (True, the default) or bf16 hi + lo, fp32-grade (False).");
   m.def("bf16_gemm", &aioengine::bf16_gemm);
   m.def("set_amx", &aioengine::set_amx, pybind11::arg("on"),
         "Let the best path be AMX (where the CPU has it); returns whether it now is.");

@@ -1046,7 +1046,7 @@ bool set_q8_activations(bool on) {
 bool q8_activations() { return q8_activations_on.load(); }
 
 namespace {
-std::atomic<bool> bf16_gemm_on{false};
+std::atomic<bool> bf16_gemm_on{true};
 }  // namespace
 
 void set_bf16_gemm(bool on) { bf16_gemm_on.store(on); }

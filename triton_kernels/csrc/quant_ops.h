@@ -84,8 +84,8 @@ bool q8_activations();
 bool set_amx(bool on);
 bool amx_allowed();
 
-// The AMX GEMM's precision: false (the default) splits x and the weight into bf16 hi + lo
-// and sums three products (fp32-grade); true takes bf16 x and weight (hi only), faster.
+// The AMX GEMM's precision: true (the default) takes bf16 x and weights; false splits
+// both into bf16 hi + lo and sums three products (fp32-grade, from 17 rows), slower.
 void set_bf16_gemm(bool on);
 bool bf16_gemm();
 
