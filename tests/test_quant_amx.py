@@ -1,6 +1,6 @@
 """The quantized GEMM on AMX-BF16 tiles in bf16 (``csrc/quant_amx.h``), the default on
-AMX CPUs (``AIOENGINE_BF16_GEMM``; the rest of the suite runs the fp32-grade mode,
-tests/conftest.py, which test_quant_cpu.py holds to the fp32 bound).
+AMX CPUs (``AIOENGINE_BF16_GEMM``; test_quant_cpu.py holds the fp32-grade mode to the
+fp32 bound; the rest of the suite runs the exact fp32 path, tests/conftest.py).
 
 - The kernel equals ``F.linear`` on the dequantized weight within the error of bf16 x and
   weights (each rounded to 8 significant bits: a product off by about 2^-8 of ``|x| |w|``,

@@ -153,7 +153,8 @@ def bf16_gemm_requested() -> bool:
     0.1% lower, both within the 1% issue 15 asks of a default (tests/test_quant_amx.py).
     Off (0): x and weights split into bf16 hi + lo and three products summed, within the
     fp32 summation-order bound (tests/test_quant_cpu.py), from 17 rows, 1.3-2x faster
-    than the AVX-512 path there. The test suite runs with it off (tests/conftest.py)."""
+    than the AVX-512 path there. The test suite runs the exact fp32 path
+    (``AIOENGINE_AMX=0``, tests/conftest.py) but for the AMX tests."""
     return _env_flag("AIOENGINE_BF16_GEMM", "1")
 
 

@@ -958,7 +958,7 @@ Isa resolve_isa(int64_t requested) {
   best = Isa::kAvx2;
 #endif
 #if defined(AIOENGINE_HAVE_AVX512)
-  if (amx_allowed() && amx::available()) best = Isa::kAmx;
+  if (amx::available()) best = Isa::kAmx;
 #endif
   if (requested < 0) return best;
   TORCH_CHECK(requested <= 3, "quant: isa must be -1 (best), 0 (scalar), 1 (AVX2), 2 (AVX-512) "

@@ -79,8 +79,8 @@ bool set_q8_activations(bool on);
 bool q8_activations();
 
 // Whether the GEMM may run on AMX (default true), from the next call on, wherever it is
-// called from; resolve_isa(-1) says kAmx only while allowed. Returns whether AMX is now
-// the best path.
+// called from (LlamaDecodeLayers too; resolve_isa still says kAmx): off, Isa::kAmx runs
+// the AVX-512 path exactly. Returns whether the GEMM now runs on AMX.
 bool set_amx(bool on);
 bool amx_allowed();
 
