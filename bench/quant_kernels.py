@@ -16,9 +16,14 @@ Q4_1 projections, 128 tokens of context each) plus the Q8_0 LM head.
 VNNI dot products at 1-2 rows of Q4_0/Q4_1 and 1-8 of Q8_0), interleaved with the fp32
 activations, and the decode step both ways.
 
+On a CPU with AMX-BF16 the kernel columns are the exact fp32 path (AMX off,
+``cpu_ops.set_amx(False)``) and, above 8 rows, ``amx`` (the default, bf16 tiles) and
+``x3`` (``AIOENGINE_BF16_GEMM=0``: bf16 hi + lo, fp32-grade, from 17 rows); ``--decode``
+times the step both ways too. ``--breakdown`` adds the fused step's time by op.
+
 Usage: python bench/quant_kernels.py [--formats Q4_1,Q8_0] [--rows 1,8,32,64]
        [--decode] [--decode-batch 1,32] [--threads N] [--clock wall|cpu] [--min-time 0.3]
-       [--q8]
+       [--q8] [--breakdown]
 
 Times are the best of three rounds, wall-clock by default. On a machine other work
 shares, an OpenMP region waits whenever one of its threads is descheduled, and a
@@ -118,6 +123,8 @@ def ceilings(min_time: float) -> dict:
 
 
 Q8_FORMATS = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
+#: set in main(): whether this CPU runs the quantized GEMM on AMX
+AMX = False
 
 
 def bench_linears(formats: list[QT], rows: list[int], min_time: float,
@@ -133,7 +140,19 @@ def bench_linears(formats: list[QT], rows: list[int], min_time: float,
             row = {"shape": name, "N": n, "K": k, "M": m, "fp32_us": fp32_s * 1e6,
                    "fp32_gbs": n * k * 4 / fp32_s / 1e9, "fp32_gflops": flops / fp32_s / 1e9}
             for fmt, w in weights.items():
+                amx = cpu_ops.set_amx(False)  # the fp32 path first
                 s = time_call(lambda x=x, w=w: quant.linear(x, w), min_time)
+                if AMX and m > 8:
+                    cpu_ops.set_amx(True)
+                    for mode, bf16 in (("amx", True), ("x3", False)):
+                        if not bf16 and m <= 16:
+                            continue  # the fp32-grade mode starts at 17 rows
+                        cpu_ops.set_bf16_gemm(bf16)
+                        sa = time_call(lambda x=x, w=w: quant.linear(x, w), min_time)
+                        row[f"{fmt.name}_{mode}_us"] = sa * 1e6
+                        row[f"{fmt.name}_{mode}_speedup"] = fp32_s / sa
+                    cpu_ops.set_bf16_gemm(cpu_ops.bf16_gemm_requested())
+                cpu_ops.set_amx(amx or cpu_ops.amx_requested())
                 row[f"{fmt.name}_us"] = s * 1e6
                 row[f"{fmt.name}_gbs"] = w.nbytes / s / 1e9
                 row[f"{fmt.name}_gflops"] = flops / s / 1e9
@@ -154,6 +173,10 @@ def bench_linears(formats: list[QT], rows: list[int], min_time: float,
                               + (f" q8 {row[f'{fmt.name}_q8_us']:8.1f} us "
                                  f"x{row[f'{fmt.name}_q8_speedup_vs_fp32_act']:4.2f}"
                                  if f"{fmt.name}_q8_us" in row else "")
+                              + "".join(f" {mode} {row[f'{fmt.name}_{mode}_us']:8.1f} us "
+                                        f"x{row[f'{fmt.name}_{mode}_speedup']:4.2f}"
+                                        for mode in ("amx", "x3")
+                                        if f"{fmt.name}_{mode}_us" in row)
                               for fmt in formats)
             print(f"{name:>11} {n:6d}x{k:<5d} M={m:<3d} fp32 {row['fp32_us']:8.1f} us "
                   f"{row['fp32_gbs']:5.1f} GB/s {row['fp32_gflops']:6.1f} GF/s | {cells}",
@@ -198,7 +221,8 @@ def bench_decode(batches: list[int], min_time: float, breakdown: bool = False) -
 
 def _breakdown(fused, batch: int, layers: int, kv_heads: int, head_dim: int, hidden: int,
                steps: int = 20) -> dict[str, float]:
-    """Milliseconds a step by op of the fused step (wall clock inside the C++ call)."""
+    """Milliseconds a step by op of the fused step (the calling thread's CPU time inside
+    the C++ call: with more than one thread, the other threads' share is not counted)."""
     impl = fused._impl
     impl.set_profile(True)
     try:
@@ -268,10 +292,13 @@ def main() -> None:
     print(f"CPU: {model}; {os.cpu_count()} logical CPUs, torch threads {threads}, "
           f"{args.clock} clock, load average {os.getloadavg()[0]:.1f}")
     print(f"flags: {' '.join(flags)}")
-    print(f"quantized kernels' path: {['scalar', 'AVX2', 'AVX-512'][cpu_ops.load().quant_isa()]}")
+    print("quantized kernels' path: "
+          f"{['scalar', 'AVX2', 'AVX-512', 'AVX-512 + AMX-BF16'][cpu_ops.load().quant_isa()]}")
     ceiling = ceilings(args.min_time)
     print(f"ceilings: fp32 GEMM (MKL 2048^3) {ceiling['fp32_gemm_gflops']:.1f} GFLOP/s, "
           f"memory read {ceiling['read_gbs']:.1f} GB/s")
+    global AMX
+    AMX = cpu_ops.load().quant_isa() == 3
     formats = [QT[name.strip()] for name in args.formats.split(",")]
     rows = [int(r) for r in args.rows.split(",") if r]  # "": decode only
     report = {"cpu": model, "flags": flags, "threads": threads, "clock": args.clock,
@@ -280,7 +307,18 @@ def main() -> None:
     if args.decode:
         batches = [int(b) for b in args.decode_batch.split(",")]
         cpu_ops.set_q8_activations(False)
+        amx = cpu_ops.set_amx(False)
+        if AMX:
+            print("fp32 path (AMX off):")
         report["decode"] = bench_decode(batches, args.min_time, args.breakdown)
+        if AMX:
+            for mode, bf16 in (("amx", True), ("x3", False)):
+                cpu_ops.set_amx(True)
+                cpu_ops.set_bf16_gemm(bf16)
+                print(f"AMX GEMM ({'bf16' if bf16 else 'bf16 hi + lo'}):")
+                report[f"decode_{mode}"] = bench_decode(batches, args.min_time, args.breakdown)
+            cpu_ops.set_bf16_gemm(cpu_ops.bf16_gemm_requested())
+        cpu_ops.set_amx(amx or cpu_ops.amx_requested())
         if args.q8 and cpu_ops.set_q8_activations(True):
             print("with int8 activations:")
             try:

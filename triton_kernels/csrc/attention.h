@@ -46,6 +46,16 @@ struct DecodeAttention {
   float softcap = 0.f;
 };
 
+// Asks for the `rows` rows of `bytes` bytes each, `stride` elements apart, from p on.
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t bytes) {
+#if defined(__GNUC__)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t off = 0; off < bytes; off += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(p + r * stride) + off, 0, 3);
+#endif
+}
+
 template <typename scalar_t, typename cache_t>
 void decode_attention_run(const DecodeAttention<scalar_t, cache_t>& a) {
   const int64_t group = a.num_heads / a.num_kv_heads, head_dim = a.head_dim;
@@ -64,10 +74,19 @@ void decode_attention_run(const DecodeAttention<scalar_t, cache_t>& a) {
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * a.scale;
       }
       // Pass 1: scores of every query head of the group against each key, read once.
+      // The cache streams from memory (a step reads every sequence's K and V once) and a
+      // head's rows are short strided runs the hardware prefetchers miss: each block asks
+      // for the next block's K rows and its own V rows (pass 2's) ahead of use.
+      const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
       for (int64_t start = first; start < len;) {
         const int64_t block = start / a.block_size;
         const cache_t* kblock = a.k + blocks[block] * a.kb + h * a.kh;
         const int64_t stop = std::min(len, (block + 1) * a.block_size);
+        if (stop < len)
+          prefetch_rows(a.k + blocks[block + 1] * a.kb + h * a.kh,
+                        std::min(a.block_size, len - stop), a.kt, row_bytes);
+        prefetch_rows(a.v + blocks[block] * a.vb + h * a.vh + (start - block * a.block_size) * a.vt,
+                      stop - start, a.vt, row_bytes);
         for (int64_t t = start; t < stop; ++t) {
           const cache_t* k = kblock + (t - block * a.block_size) * a.kt;
           for (int64_t g = 0; g < group; ++g) scores[g * n + t - first] = dot(&q[g * head_dim], k, head_dim);

@@ -112,7 +112,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("activation") = "silu", py::arg("attn_logit_softcap") = 0.0)
       .def("forward", &aioengine::LlamaDecodeLayers::forward, release())
       .def("set_profile", &aioengine::LlamaDecodeLayers::set_profile, py::arg("on"),
-           "Time forward()'s ops (wall clock) from now on, totals reset; off by default.")
+           "Time forward()'s ops (the calling thread's CPU time: run one thread) from now "
+           "on, totals reset; off by default.")
       .def("op_seconds", &aioengine::LlamaDecodeLayers::op_seconds,
            "Seconds per op summed over forward() calls since set_profile(True).")
       .def_static("op_names", &aioengine::LlamaDecodeLayers::op_names);

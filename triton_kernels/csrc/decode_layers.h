@@ -7,7 +7,7 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -118,8 +118,8 @@ class LlamaDecodeLayers {
     }
   }
 
-  // Per-op wall time of forward() while profiling is on (bench/quant_kernels.py
-  // --breakdown): seconds summed over calls, by op (op_names()).
+  // Per-op time of forward() while profiling is on (bench/quant_kernels.py --breakdown):
+  // the calling thread's CPU seconds summed over calls, by op (op_names()).
   void set_profile(bool on) {
     profile_ = on;
     op_seconds_.fill(0.0);
@@ -257,21 +257,26 @@ class LlamaDecodeLayers {
 
   enum Op { kOpQkv, kOpAttention, kOpO, kOpGateUp, kOpDown, kOpOther, kNumOps };
 
-  // Adds the time since the last lap to an op's total (no-op without a sink).
+  // Adds the calling thread's CPU time since the last lap to an op's total (no-op without
+  // a sink): steady on a shared machine, and the whole cost when it runs one thread.
   class OpClock {
    public:
-    explicit OpClock(std::array<double, kNumOps>* sink)
-        : sink_(sink), last_(std::chrono::steady_clock::now()) {}
+    explicit OpClock(std::array<double, kNumOps>* sink) : sink_(sink), last_(now()) {}
     void lap(Op op) {
       if (sink_ == nullptr) return;
-      const auto now = std::chrono::steady_clock::now();
-      (*sink_)[op] += std::chrono::duration<double>(now - last_).count();
-      last_ = now;
+      const double t = now();
+      (*sink_)[op] += t - last_;
+      last_ = t;
     }
 
    private:
+    static double now() {
+      timespec ts;
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+      return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+    }
     std::array<double, kNumOps>* sink_;
-    std::chrono::steady_clock::time_point last_;
+    double last_;
   };
 
   struct Layer {
