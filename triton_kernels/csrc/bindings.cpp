@@ -12,7 +12,8 @@
 // - linear (fp32): y = x @ w^T (+ bias); a skinny kernel up to 16 rows of x, MKL's
 //   GEMM above.
 // - quant_dequantize / quant_linear / quant_embedding: GGML block formats read in
-//   place (quant_ops.h, quant_ops.cpp).
+//   place (quant_ops.h, quant_ops.cpp); the GEMM (9+ rows) on AMX-BF16 tiles where the
+//   CPU has them (quant_amx.h; set_amx, set_bf16_gemm).
 // - LlamaDecodeLayers (fp32 activations): a decoder-layer stack for one decode step in
 //   one call, built from the kernels above; each projection is dense fp32 or quantized
 //   (any mix of parts). Llama's block, and the twists of Qwen3 (Q/K norms) and Gemma
@@ -24,8 +25,8 @@
 // here with TORCH_CHECK, which surfaces as RuntimeError.
 //
 // One file per kernel: attention.{h,cpp}, norm_act.{h,cpp}, linear.{h,cpp},
-// decode_layers.{h,cpp}, quant_ops.{h,cpp}, copy_blocks.cpp; shared SIMD helpers in simd.h. Every .cpp of
-// csrc/ is compiled (cpu_ops.py globs them).
+// decode_layers.{h,cpp}, quant_ops.{h,cpp}, quant_amx.{h,cpp}, copy_blocks.cpp; shared SIMD
+// helpers in simd.h. Every .cpp of csrc/ is compiled (cpu_ops.py globs them).
 
 #include <torch/extension.h>
 
