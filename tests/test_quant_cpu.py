@@ -17,6 +17,8 @@ a valid block, and gguf has no K-quant quantizer to make them another way.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -165,7 +167,7 @@ def test_kernel_dequantize_equals_reference_bit_for_bit(qtype, isa):
 @needs_kernels
 def test_the_build_reports_its_best_path_and_lower_paths_are_there():
     ops = cpu_ops.load()
-    flags = open("/proc/cpuinfo").read()
+    flags = Path("/proc/cpuinfo").read_text()
     best = ops.quant_isa()
     avx512 = 2 if " avx512f" in flags else 1 if " avx2" in flags else 0
     amx = " amx_bf16" in flags and " amx_tile" in flags and " avx512_bf16" in flags
