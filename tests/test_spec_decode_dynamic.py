@@ -126,20 +126,36 @@ def goodput(first, nxt, k, cost, b) -> float:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1), st.integers(0, 3)),
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1), st.integers(0, 3), st.booleans()),
                 min_size=1, max_size=4),
        st.sampled_from([0.05, 0.25, 0.5]))
 def test_the_rule_maximises_expected_tokens_per_second(reqs, cost):
-    """Against every choice of draft counts: the rule's goodput is the best."""
-    first = [a for a, _, _ in reqs]
-    nxt = [r for _, r, _ in reqs]
-    cap = [m for _, _, m in reqs]
+    """Against every choice of draft counts: the rule's goodput is the best.
+    Requests marked ``alone`` (sampled) take their batch-1 choice; the others'
+    choice is the best given theirs."""
+    first = [a for a, _, _, _ in reqs]
+    nxt = [r for _, r, _, _ in reqs]
+    cap = [m for _, _, m, _ in reqs]
+    alone = [x for _, _, _, x in reqs]
     b = len(reqs)
-    got = num_drafts(np.array(first), np.array(nxt), np.array(cap), cost)
+    got = num_drafts(np.array(first), np.array(nxt), np.array(cap), cost, alone=np.array(alone))
     assert all(0 <= g <= m for g, m in zip(got.tolist(), cap))
-    best = max(goodput(first, nxt, k, cost, b)
-               for k in itertools.product(*(range(m + 1) for m in cap)))
+    for i in np.flatnonzero(alone).tolist():
+        assert got[i] == num_drafts(np.array(first[i:i + 1]), np.array(nxt[i:i + 1]),
+                                    np.array(cap[i:i + 1]), cost)[0]
+    choices = [range(m + 1) if not a else [int(g)] for m, a, g in zip(cap, alone, got)]
+    best = max(goodput(first, nxt, k, cost, b) for k in itertools.product(*choices))
     assert goodput(first, nxt, got.tolist(), cost, b) >= best - 1e-9
+
+
+def test_a_sampled_request_drafts_as_if_alone():
+    """Its drafts must not depend on the batch (a seeded request samples with
+    them); a greedy one's do."""
+    batch = Batch(6)
+    for s in batch.states[:3]:
+        s.sampling.temperature = 0.8
+    drafts = proposer().propose_next(batch.token_ids, batch.states)
+    assert [len(d) > 0 for d in drafts] == [True] * 3 + [False] * 3
 
 
 def test_the_threshold_grows_with_the_batch():

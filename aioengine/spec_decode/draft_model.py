@@ -268,7 +268,8 @@ class DraftModelProposer:
         estimates = self.gate.observe([states[i].req_id for i in picked],
                                       [token_ids[states[i].row, :states[i].num_tokens]
                                        for i in picked])
-        keep = self.gate.decide(estimates, caps, len(states)).tolist()
+        keep = self.gate.decide(estimates, caps, len(states),
+                                [states[i].sampling.temperature >= 1e-5 for i in picked]).tolist()
         chosen = [j for j, k in enumerate(keep) if k > 0]
         picked = [picked[j] for j in chosen]
         caps = [keep[j] for j in chosen]

@@ -33,6 +33,12 @@ probability that verification would have accepted it (``p(d)`` for a point
 mass). So a request's estimate stays current while it is not speculating,
 and it resumes when the batch shrinks or its text turns into a copy.
 
+A sampled request decides as if it were alone (batch 1): how many drafts it
+verifies decides how many random numbers its generator gives, so a seeded
+request must not draft differently in another batch, or it would sample
+other tokens. Greedy output does not depend on the drafts, so greedy
+requests share the batch's rule (the requests that matter in a big batch).
+
 The gate decides from history only (earlier proposals and emitted tokens),
 never from the current step's outcome, so the rejection sampler's guarantee
 (the output distribution is the target's) holds whatever it decides.
@@ -129,7 +135,8 @@ def threshold(batch_size: int, verify_token_cost: float) -> float:
 
 
 def num_drafts(first: np.ndarray, nxt: np.ndarray, max_drafts: np.ndarray,
-               verify_token_cost: float, batch_size: int | None = None) -> np.ndarray:
+               verify_token_cost: float, batch_size: int | None = None,
+               alone: np.ndarray | None = None) -> np.ndarray:
     """Drafts to verify per request in one step (the goodput rule above).
 
     Args:
@@ -138,6 +145,9 @@ def num_drafts(first: np.ndarray, nxt: np.ndarray, max_drafts: np.ndarray,
             length; 0 for a request that does not speculate).
         verify_token_cost: ``c`` of the cost model; 0 takes every draft.
         batch_size: decodes in the step (default ``num_reqs``).
+        alone: ``[num_reqs]`` bool, requests decided as if alone in a batch of
+            1 (their drafts then depend on their own history only); the others
+            share the step's rule, counting these requests' drafts.
 
     Returns:
         ``[num_reqs]`` int64, ``0 <= k_i <= max_drafts[i]``.
@@ -150,6 +160,17 @@ def num_drafts(first: np.ndarray, nxt: np.ndarray, max_drafts: np.ndarray,
     width = int(max_drafts.max()) if num_reqs else 0
     if width == 0:
         return np.zeros(num_reqs, dtype=np.int64)
+    out = np.zeros(num_reqs, dtype=np.int64)
+    tokens, rows = float(b), float(b)
+    if alone is not None and alone.any():
+        first, nxt = np.asarray(first, dtype=np.float64), np.asarray(nxt, dtype=np.float64)
+        for i in np.flatnonzero(alone).tolist():
+            k = int(num_drafts(first[i:i + 1], nxt[i:i + 1], max_drafts[i:i + 1],
+                               verify_token_cost)[0])
+            out[i] = k
+            tokens += float(first[i] * (nxt[i] ** np.arange(k)).sum())
+            rows += k
+        max_drafts = np.where(alone, 0, max_drafts)
     # P_ij for j = 1..width, -1 where j > max_drafts[i].
     j = np.arange(width)
     p = np.asarray(first, dtype=np.float64)[:, None] * np.asarray(nxt, dtype=np.float64
@@ -159,7 +180,6 @@ def num_drafts(first: np.ndarray, nxt: np.ndarray, max_drafts: np.ndarray,
     order = np.argsort(-p, axis=None, kind="stable")
     probs = p.ravel()[order]
     c = verify_token_cost
-    tokens, rows = float(b), float(b)
     taken = 0
     for prob in probs.tolist():
         if prob <= c * tokens / ((1.0 - c) + c * rows):
@@ -167,7 +187,6 @@ def num_drafts(first: np.ndarray, nxt: np.ndarray, max_drafts: np.ndarray,
         tokens += prob
         rows += 1.0
         taken += 1
-    out = np.zeros(num_reqs, dtype=np.int64)
     np.add.at(out, order[:taken] // width, 1)
     return out
 
@@ -211,12 +230,18 @@ class DraftGate:
         return out
 
     def decide(self, estimates: list[AcceptanceEstimate], max_drafts: list[int],
-               batch_size: int) -> np.ndarray:
-        """``[len(estimates)]`` drafts to verify next step (``num_drafts``)."""
+               batch_size: int, sampled: list[bool]) -> np.ndarray:
+        """``[len(estimates)]`` drafts to verify next step (``num_drafts``).
+
+        ``sampled`` requests decide alone: how many drafts they verify decides
+        how many random numbers their generator gives, so a seeded request
+        would otherwise sample other tokens in another batch. Greedy output is
+        the same whatever is drafted, so greedy requests share the batch's rule.
+        """
         first = np.array([e.first for e in estimates])
         nxt = np.array([e.next for e in estimates])
         return num_drafts(first, nxt, np.asarray(max_drafts, dtype=np.int64),
-                          self.verify_token_cost, batch_size)
+                          self.verify_token_cost, batch_size, np.array(sampled, dtype=bool))
 
     def proposed(self, estimate: AcceptanceEstimate, num_tokens: int,
                  proposal: list[int]) -> None:

@@ -234,7 +234,8 @@ class DraftProposer:
             caps.append(self.max_model_len - s.num_tokens if eligible else 0)
         estimates = self.gate.observe([s.req_id for s in states], rows)
         proposals = self.ngram.propose(rows, caps)
-        keep = self.gate.decide(estimates, [len(d) for d in proposals], len(states))
+        keep = self.gate.decide(estimates, [len(d) for d in proposals], len(states),
+                                [s.sampling.temperature >= 1e-5 for s in states])
         for est, s, d in zip(estimates, states, proposals):
             self.gate.proposed(est, s.num_tokens, d)
         return [d[:k] for d, k in zip(proposals, keep.tolist())]
