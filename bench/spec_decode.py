@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -217,25 +218,56 @@ def aggregate(rows: dict) -> dict:
     return out
 
 
-def concurrent(engines: dict, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
+def concurrent(engines: dict, prompts: list[list[int]], max_tokens: list[int], repeats: int,
+               load: LoadTracker) -> dict:
+    """All ``prompts`` at once, request ``i`` generating ``max_tokens[i]`` tokens
+    (EOS ignored), ``repeats`` pairs of runs, off/on then on/off. Reports the
+    totals' ratio and the median of the pairs' ratios (a load change on the
+    shared machine moves one pair, not the median), and, for the "on" engine,
+    the steps by running requests and the draft tokens it verified, so a loss
+    can be told from noise."""
     from aioengine import SamplingParams
 
-    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     res = {"off": [0, 0.0], "on": [0, 0.0]}
+    pairs: list[float] = []
+    before = engines["on"].stats()
+    steps_before = before.num_steps
     for r in range(repeats):
+        rate = {}
         for which in (["off", "on"] if r % 2 == 0 else ["on", "off"]):
             t0 = time.perf_counter()
-            outs = engines[which].generate(prompts, p, use_tqdm=False)
-            res[which][1] += time.perf_counter() - t0
-            res[which][0] += sum(len(o.outputs[0].token_ids) for o in outs)
-    out = {w: res[w][0] / res[w][1] for w in res}
+            outs = engines[which].generate(prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            res[which][0] += n
+            res[which][1] += dt
+            rate[which] = n / dt
+        pairs.append(rate["on"] / rate["off"])
+        load.sample()
+    after = engines["on"].stats()
+    out: dict = {w: res[w][0] / res[w][1] for w in res}
     out["speedup"] = out["on"] / out["off"]
+    out["pair_speedups"] = [round(x, 3) for x in pairs]
+    out["median_pair_speedup"] = statistics.median(pairs)
     out["streams"] = len(prompts)
+    out["max_tokens"] = sorted(set(max_tokens))
+    out["on_steps"] = after.num_steps - steps_before
+    out["on_draft_tokens"] = (after.spec_decode_num_draft_tokens
+                              - before.spec_decode_num_draft_tokens)
+    out["on_accepted_tokens"] = (after.spec_decode_num_accepted_tokens
+                                 - before.spec_decode_num_accepted_tokens)
+    print(f"  off {out['off']:6.1f} tok/s  on {out['on']:6.1f} tok/s  x{out['speedup']:.2f} "
+          f"(pairs {out['pair_speedups']}, median x{out['median_pair_speedup']:.2f}); on: "
+          f"{out['on_draft_tokens']} draft tokens verified, {out['on_accepted_tokens']} "
+          f"accepted, in {out['on_steps']} steps", flush=True)
     return out
 
 
 def plot(report: dict, path: Path) -> None:
     import matplotlib
+
+    from aioengine.spec_decode.config import DEFAULT_VERIFY_TOKEN_COST
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -253,19 +285,22 @@ def plot(report: dict, path: Path) -> None:
     labels.append("open chat")
     off.append(agg["off"])
     on.append(agg["on"])
-    c = report["concurrent"]
-    labels.append(f"{c['streams']} streams")
-    off.append(c["off"])
-    on.append(c["on"])
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for key, name in (("concurrent", "streams"), ("concurrent_ragged", "streams,\nragged")):
+        c = report[key]
+        labels.append(f"{c['streams']} {name}")
+        off.append(c["off"])
+        on.append(c["on"])
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     x = range(len(labels))
     ax.bar([i - 0.2 for i in x], off, 0.4, label="no speculation")
     config = report["config"]
     method = config.get("method", "ngram")
+    cost = config["speculative_config"].get("verify_token_cost", DEFAULT_VERIFY_TOKEN_COST)
     if method == "ngram":
-        label = f"n-gram, k={config['k']}"
+        label = f"n-gram, k<={config['k']}, verify_token_cost {cost}"
     else:
-        label = f"draft model {Path(config['speculative_config']['model']).name}, k={config['k']}"
+        label = (f"draft model {Path(config['speculative_config']['model']).name}, "
+                 f"k<={config['k']}, verify_token_cost {cost}")
     ax.bar([i + 0.2 for i in x], on, 0.4, label=label)
     for i, (a, b) in enumerate(zip(off, on)):
         ax.text(i + 0.2, b, f"x{b / a:.2f}", ha="center", va="bottom", fontsize=9)
@@ -284,9 +319,10 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--k", type=int, default=3,
-                    help="num_speculative_tokens (3: the step's 4 tokens are one pass of the "
-                         "quantized GEMV's 4-row tiles)")
+    ap.add_argument("--k", type=int, default=7,
+                    help="num_speculative_tokens, the most drafts per request and step; the "
+                         "dynamic rule picks each step's (7: copied spans often run that far, "
+                         "and 8 rows are two passes of the quantized GEMV's 4-row tiles)")
     ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
     ap.add_argument("--draft-model", default=None,
                     help="draft model path for --method draft_model (default: the default "
@@ -294,16 +330,22 @@ def main() -> None:
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="no drafts while this many requests run (default: the config's, 8; "
                          "0 never)")
+    ap.add_argument("--verify-token-cost", type=float, default=None,
+                    help="the dynamic rule's cost of a query token, in decode steps "
+                         "(default: the config's, 0.25; 0 verifies every proposal)")
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--concurrent-repeats", type=int, default=4,
+                    help="off/on pairs of the concurrent workloads (their ratio's median is "
+                         "reported with the totals')")
     ap.add_argument("--quick", action="store_true", help="short outputs, one repeat")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/)")
     ap.add_argument("--plot", default=str(RESULTS_DIR / "spec_decode.png"))
     args = ap.parse_args()
     if args.quick:
-        args.max_tokens, args.repeats = 24, 1
+        args.max_tokens, args.repeats, args.concurrent_repeats = 24, 1, 1
 
     from aioengine import LLM
 
@@ -322,6 +364,8 @@ def main() -> None:
                 "model": args.draft_model or default_model_path()}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
+    if args.verify_token_cost is not None:
+        spec["verify_token_cost"] = args.verify_token_cost
     engines = {"off": LLM(executor="inproc"), "on": LLM(executor="inproc",
                                                          speculative_config=spec)}
     tok = engines["off"].tokenizer
@@ -342,8 +386,15 @@ def main() -> None:
         chat_ids(tok, v) for v in grounded_prompts().values()]
     if args.quick:
         streams = streams[:4]
-    print(f"{len(streams)} concurrent streams:")
-    conc = concurrent(engines, streams, min(args.max_tokens, 128), args.repeats)
+    longest = min(args.max_tokens, 128)
+    print(f"{len(streams)} concurrent streams, {longest} tokens each:")
+    conc = concurrent(engines, streams, [longest] * len(streams), args.concurrent_repeats,
+                      load)
+    # Ragged lengths: the batch shrinks from 16 to 1 as streams finish, so most of
+    # the run is below disable_by_batch_size (the ramp-down a real server sees).
+    ragged = [max(8, longest * (i + 1) // len(streams)) for i in range(len(streams))]
+    print(f"{len(streams)} concurrent streams, {ragged[0]} to {ragged[-1]} tokens:")
+    conc_ragged = concurrent(engines, streams, ragged, args.concurrent_repeats, load)
     load.sample()
     report = {
         "cpu": cpu, "environment": environment(0, "float32"), "load": load.summary(),
@@ -353,7 +404,7 @@ def main() -> None:
                    "repeats": args.repeats},
         "grounded": grounded, "grounded_total": aggregate(grounded),
         "summarise": summarise, "open_chat": open_chat, "open_chat_total": aggregate(open_chat),
-        "concurrent": conc,
+        "concurrent": conc, "concurrent_ragged": conc_ragged,
         "spec_stats": {k: v for k, v in vars(engines["on"].stats()).items()
                        if k.startswith("spec_decode")},
     }
@@ -362,8 +413,10 @@ def main() -> None:
           f"x{g['speedup']:.2f}, decode only x{g['decode_speedup']:.2f} (target >= 1.6)")
     print(f"open-ended chat total: off {o['off']:.1f} tok/s, on {o['on']:.1f} tok/s, "
           f"x{o['speedup']:.2f}, decode only x{o['decode_speedup']:.2f} (target >= 0.95)")
-    print(f"{conc['streams']} streams: off {conc['off']:.1f} tok/s, on {conc['on']:.1f} tok/s, "
-          f"x{conc['speedup']:.2f} (target >= 1.0)")
+    for name, c in (("", conc), (" ragged", conc_ragged)):
+        print(f"{c['streams']} streams{name}: off {c['off']:.1f} tok/s, on {c['on']:.1f} tok/s, "
+              f"x{c['speedup']:.2f}, median of pairs x{c['median_pair_speedup']:.2f} "
+              f"(target >= 1.0)")
     print("spec_decode:", report["spec_stats"])
     print("load:", load.summary()["loadavg_1m_min"], "-", load.summary()["loadavg_1m_max"])
     path = write_results(args.out, "spec_decode.json", report)

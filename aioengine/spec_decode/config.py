@@ -12,10 +12,13 @@ a command line written for ``vllm serve`` works here::
 As in vLLM, a ``model`` with no ``method`` means ``draft_model``, and no
 ``model`` and no ``method`` means ``ngram``.
 
-Two keys are ours: ``min_acceptance_rate`` and ``cooldown_steps`` drive the
-adaptive off-switch (``spec_decode.adaptive``): a request whose recent drafts
-are mostly rejected stops drafting for a while, so speculation never makes a
-low-acceptance workload much slower.
+Some keys are ours. ``verify_token_cost`` drives dynamic speculation
+(``spec_decode.dynamic``): each step, each request verifies only the drafts
+whose expected tokens outweigh what their query rows add to the step, so a
+request with low acceptance, or a big batch, speculates less or not at all.
+``min_acceptance_rate``, ``window`` and ``cooldown_steps`` drive a coarser
+off-switch in the scheduler (``spec_decode.scheduling``), off by default: a
+request whose recent drafts are mostly rejected stops drafting for a while.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5
 # Running requests at which drafting stops (ours; vLLM never stops by default).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# One more query token in a step, as a fraction of a one-token decode step: on the
+# 2-core dev CPU a 4-token verification step costs about 1.7 decode steps and a
+# 16-request decode step about 5.4 (bench/README.md, speculative decoding).
+DEFAULT_VERIFY_TOKEN_COST = 0.25
 
 
 @dataclass(frozen=True)
@@ -57,10 +64,25 @@ class SpeculativeConfig:
             (8; vLLM's is never): 8 decoding streams already fill the CPU's
             matmul tiles (``bench/README.md``: 8 streams give about 5x the
             batch-1 tokens/s), so drafting would multiply the step's rows.
+        verify_token_cost: the dynamic rule's cost model (``spec_decode.dynamic``):
+            a step of ``N`` query tokens costs ``(1 - c) + c N`` one-token decode
+            steps. A draft is verified only when its probability of being
+            accepted (from the request's recent acceptance) exceeds ``c`` times
+            the step's expected tokens over its cost: about ``c`` at batch 1,
+            0.84 at 16 requests with ``c = 0.25``. 0 verifies every proposal
+            (no dynamic rule). Our default, 0.25, is the dev CPU's; a GPU's
+            small batches are bound by reading the weights, so a few
+            hundredths suit it.
         min_acceptance_rate: a request whose acceptance over its last
             ``window`` draft tokens falls below this stops drafting for
             ``cooldown_steps`` decode steps (doubling each time it happens
-            again); 0 disables the off-switch.
+            again); 0 (the default) disables the off-switch: the dynamic
+            rule already stops a request's drafts while they are unlikely to
+            be accepted, and resumes them as soon as they would be (its
+            proposals are scored even when not verified), where a cooldown
+            would also stop the drafts of a request that just began copying
+            (measured: a 7-token n-gram proposal tripped it in the middle of
+            code being repeated).
         window: draft tokens the acceptance rate is measured over.
         cooldown_steps: first pause, in decode steps.
     """
@@ -71,7 +93,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    min_acceptance_rate: float = 0.2
+    verify_token_cost: float = DEFAULT_VERIFY_TOKEN_COST
+    min_acceptance_rate: float = 0.0
     window: int = 16
     cooldown_steps: int = 16
 
@@ -108,6 +131,10 @@ class SpeculativeConfig:
                              f"({lo}), got {hi!r}")
         if self.disable_by_batch_size < 0:
             raise ValueError("disable_by_batch_size must be >= 0")
+        if (not isinstance(self.verify_token_cost, (int, float))
+                or not 0.0 <= self.verify_token_cost < 1.0):
+            raise ValueError(f"verify_token_cost must be in [0, 1), got "
+                             f"{self.verify_token_cost!r}")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(f"min_acceptance_rate must be in [0, 1], got "
                              f"{self.min_acceptance_rate}")

@@ -45,6 +45,7 @@ from aioengine.models import registry
 from aioengine.models.decoder import DecoderArch
 from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.loader import load_hf_config, load_weights
+from aioengine.spec_decode.dynamic import DraftGate
 from aioengine.worker.sampler import apply_top_k_top_p_min_p
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class DraftModelProposer:
         self.config = spec
         self.target = target
         self.num_speculative_tokens = spec.num_speculative_tokens
+        self.gate = DraftGate(spec.verify_token_cost)
         path = spec.model
         self.dtype, _ = choose_dtype(config.model.dtype, "cpu", cpu_flags(), path.endswith(".gguf"))
         try:
@@ -237,7 +239,9 @@ class DraftModelProposer:
     ) -> list[list[int]]:
         """Per state, its drafts (empty for requests verification does not cover,
         or when the batch is at ``disable_by_batch_size``: the scheduler would
-        not take them). Keeps each sampled request's ``q`` in ``state.draft_probs``."""
+        not take them), as many as the dynamic rule keeps (``DraftGate``; none
+        for a request it keeps at 0, which then costs no draft forward). Keeps
+        each sampled request's ``q`` in ``state.draft_probs``."""
         out: list[list[int]] = [[] for _ in states]
         cfg = self.config
         if cfg.disable_by_batch_size and len(states) >= cfg.disable_by_batch_size:
@@ -259,6 +263,17 @@ class DraftModelProposer:
                 self._credit_accepted(token_ids, s)
                 picked.append(i)
                 caps.append(cap)
+        # The dynamic rule (spec_decode.dynamic) before drafting: a request it keeps
+        # at 0 costs no draft forward, one it keeps at k costs k - 1 decodes.
+        estimates = self.gate.observe([states[i].req_id for i in picked],
+                                      [token_ids[states[i].row, :states[i].num_tokens]
+                                       for i in picked])
+        keep = self.gate.decide(estimates, caps, len(states),
+                                [states[i].sampling.temperature >= 1e-5 for i in picked]).tolist()
+        chosen = [j for j, k in enumerate(keep) if k > 0]
+        picked = [picked[j] for j in chosen]
+        caps = [keep[j] for j in chosen]
+        estimates = [estimates[j] for j in chosen]
         if not picked:
             return out
         sel = [states[i] for i in picked]
@@ -304,6 +319,7 @@ class DraftModelProposer:
         for k, (i, s) in enumerate(zip(picked, sel)):
             proposal = drafts[k, : cap[k]].tolist()
             out[i] = proposal
+            self.gate.proposed(estimates[k], int(n[k]), proposal)
             s.draft_num_computed = int(min(n[k], real_end[k]))
             s.draft_pending = (int(n[k]), proposal, int(real_end[k]))
             if probs[k] and s.sampling.temperature >= 1e-5:

@@ -27,6 +27,7 @@ import torch
 from aioengine.ipc.messages import SchedulerOutput
 from aioengine.models.llama import AttentionMetadata
 from aioengine.spec_decode.config import SpeculativeConfig
+from aioengine.spec_decode.dynamic import DraftGate
 from aioengine.spec_decode.ngram_proposer import NgramProposer
 from aioengine.spec_decode.rejection_sampler import rejection_sample
 from aioengine.worker.sampler import apply_top_k_top_p_min_p
@@ -195,7 +196,8 @@ def rollback_block_tables(states: list[CachedRequestState], seq_lens: np.ndarray
 
 
 class DraftProposer:
-    """Drafts for the next step, from the requests' token rows (n-gram).
+    """Drafts for the next step, from the requests' token rows (n-gram), as many
+    per request as the dynamic rule keeps (``spec_decode.dynamic``).
 
     Args:
         config: the speculative settings.
@@ -207,11 +209,22 @@ class DraftProposer:
         self.max_model_len = max_model_len
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                                    config.num_speculative_tokens)
+        self.gate = DraftGate(config.verify_token_cost)
 
     def propose_next(self, token_ids: np.ndarray, states: list[CachedRequestState]
                      ) -> list[list[int]]:
         """Per state, its drafts (empty for requests verification does not cover:
-        logprobs, penalties)."""
+        logprobs, penalties; and for all when the batch is at
+        ``disable_by_batch_size``, where the scheduler would not take them).
+
+        Every proposal is remembered, verified or not, and scored against the
+        tokens the next step emits (``DraftGate``); the dynamic rule then keeps
+        a prefix of each, the whole proposal or nothing, for the next step's
+        batch (taken to be this step's size).
+        """
+        cfg = self.config
+        if cfg.disable_by_batch_size and len(states) >= cfg.disable_by_batch_size:
+            return [[] for _ in states]  # nothing would be verified: nothing to pay for
         rows, caps = [], []
         for s in states:
             p = s.sampling
@@ -219,7 +232,13 @@ class DraftProposer:
                         and p.repetition_penalty == 1.0)
             rows.append(token_ids[s.row, :s.num_tokens])
             caps.append(self.max_model_len - s.num_tokens if eligible else 0)
-        return self.ngram.propose(rows, caps)
+        estimates = self.gate.observe([s.req_id for s in states], rows)
+        proposals = self.ngram.propose(rows, caps)
+        keep = self.gate.decide(estimates, [len(d) for d in proposals], len(states),
+                                [s.sampling.temperature >= 1e-5 for s in states])
+        for est, s, d in zip(estimates, states, proposals):
+            self.gate.proposed(est, s.num_tokens, d)
+        return [d[:k] for d, k in zip(proposals, keep.tolist())]
 
     def draft_probs(self, state: CachedRequestState, drafts: np.ndarray) -> None:
         """N-gram drafts are point masses: no ``q``."""
