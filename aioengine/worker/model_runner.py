@@ -413,9 +413,12 @@ class ModelRunner:
         batch.need_top_k = any(p.top_k > 0 for p in sampled_rows)
         batch.need_top_p = any(p.top_p < 1.0 for p in sampled_rows)
         batch.need_min_p = any(p.min_p > 0.0 for p in sampled_rows)
-        batch.need_penalties = any(p.presence_penalty or p.frequency_penalty
-                                   or p.repetition_penalty != 1.0 for p in params)
+        penalized = [i for i, p in enumerate(params) if p.presence_penalty
+                     or p.frequency_penalty or p.repetition_penalty != 1.0]
+        batch.need_penalties = bool(penalized)
         if batch.need_penalties:
+            if len(penalized) < len(params):
+                batch.penalty_rows = torch.tensor(penalized, dtype=torch.int64)
             rows = np.array([s.row for s in states])
             n_tok = np.array([s.num_tokens for s in states])
             n_prompt = np.array([s.num_prompt_tokens for s in states])
