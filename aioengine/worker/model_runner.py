@@ -207,6 +207,7 @@ class ModelRunner:
                                     a.num_kv_heads, a.head_dim), self.kv_cache_dtype)
         self.max_blocks_per_seq = -(-(self.max_model_len + 1) // self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
+        self._last_step_end = 0.0  # perf_counter() at the end of the last step
         self._free_rows: list[int] = []
         self._capacity = 0
         self.token_ids = np.zeros((0, self.max_model_len + 1), dtype=np.int64)
@@ -292,6 +293,15 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Raises KeyError if the delta names an unknown request."""
         t0 = time.perf_counter()
+        idle = t0 - self._last_step_end if self._last_step_end else 0.0
+        try:
+            out = self._execute_model(so, t0)
+        finally:
+            self._last_step_end = time.perf_counter()
+        out.idle_time = idle
+        return out
+
+    def _execute_model(self, so: SchedulerOutput, t0: float) -> ModelRunnerOutput:
         if so.copy_blocks:
             # Copy-on-write: before this step's forward writes into the copies.
             pairs = torch.tensor(so.copy_blocks, dtype=torch.int64)
