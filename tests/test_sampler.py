@@ -131,15 +131,6 @@ def _reference_sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.where(torch.tensor(b.greedy), logits.argmax(-1), (probs / noise).argmax(-1))
 
 
-def test_exponential_noise_is_bitwise_exponential_():
-    from aioengine.worker.sampler import exponential_noise
-
-    ours = exponential_noise([torch.Generator().manual_seed(s) for s in (1, 2)], 5000)
-    for row, s in enumerate((1, 2)):
-        want = torch.empty(5000).exponential_(generator=torch.Generator().manual_seed(s))
-        assert torch.equal(ours[row], want)
-
-
 def test_partial_sort_sampling_keeps_the_seeded_tokens():
     """Mixed greedy/sampled rows with top-k, top-p (one nucleus wider than the first
     partial sort, from flat logits) and min-p: the same tokens, step after step,
