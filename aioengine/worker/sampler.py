@@ -139,33 +139,50 @@ def _top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def _top_p_mask_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``_top_p_mask`` by a full sort of each row (for wide nuclei)."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mask = (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
+    return torch.empty_like(logits).scatter_(1, sorted_idx,
+                                             sorted_logits.masked_fill(mask, float("-inf")))
+
+
 def _top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Rows of ``logits`` ``[r, vocab]`` outside the top-p nucleus (Holtzman et
     al. 2020, §3.1) set to -inf: a token is kept when the probability mass of the
     tokens before it, in descending order, is below ``top_p``.
 
-    The nucleus is found with a partial sort (``topk``) of ``TOP_P_FIRST_WIDTH``
-    tokens, widened x8 for the rows whose nucleus is wider, so a peaked
-    distribution never pays for sorting the whole vocabulary."""
+    The nucleus is first looked for with a partial sort (``topk``) of
+    ``TOP_P_FIRST_WIDTH`` tokens, then of 8x as many for rows whose first tokens
+    already hold half of ``top_p``; the remaining rows (flat distributions, wide
+    nuclei) are sorted whole. A peaked distribution never pays for a full sort."""
     vocab = logits.shape[1]
     probs = logits.softmax(-1)
     keep = torch.zeros_like(logits, dtype=torch.bool)
-    pending = torch.arange(logits.shape[0])
-    width = min(TOP_P_FIRST_WIDTH, vocab)
-    while pending.numel():
-        values, indices = probs[pending].topk(width, dim=-1)
+    rows_left = torch.arange(logits.shape[0])
+    to_sort = []
+    width = TOP_P_FIRST_WIDTH
+    while rows_left.numel() and width <= vocab // 8:
+        values, indices = probs[rows_left].topk(width, dim=-1)
         cum = values.cumsum(-1)
-        mass_before = cum - values
-        threshold = top_p[pending].unsqueeze(1)
-        # The nucleus ends inside this width once the mass reaches top_p (or the
-        # width is the whole vocabulary).
-        done = (cum[:, -1] >= threshold[:, 0]) if width < vocab else torch.ones_like(
-            pending, dtype=torch.bool)
-        rows = pending[done]
-        keep[rows] = keep[rows].scatter(1, indices[done], mass_before[done] < threshold[done])
-        pending = pending[~done]
-        width = min(width * 8, vocab)
-    return logits.masked_fill(~keep, float("-inf"))
+        threshold = top_p[rows_left]
+        mass = cum[:, -1]
+        done = mass >= threshold
+        rows = rows_left[done]
+        keep[rows] = keep[rows].scatter(
+            1, indices[done], (cum - values)[done] < threshold[done].unsqueeze(1))
+        flat = ~done & (mass < threshold / 2)
+        to_sort.append(rows_left[flat])
+        rows_left = rows_left[~done & ~flat]
+        width *= 8
+    rows = torch.cat(to_sort + [rows_left])
+    if rows.numel() == logits.shape[0]:
+        return _top_p_mask_sorted(logits, top_p)
+    out = logits.masked_fill(~keep, float("-inf"))
+    if rows.numel():
+        out[rows] = _top_p_mask_sorted(logits[rows], top_p[rows])
+    return out
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch,
