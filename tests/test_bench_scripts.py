@@ -108,11 +108,9 @@ def test_throughput_script_writes_both_sides(tmp_path: Path) -> None:
                "--output-len-range", "2", "3", "--hf-batch-size", "2", "--batch1-tokens", "3",
                "--overhead-requests", "2", "--overhead-prompt-len", "8",
                "--overhead-output-len", "4", "--ring-round-trips", "50",
-               "--sampling-share-rows", "2", "--output-json", str(out), "--no-progress")
+               "--sampling-share-rows", "2", "--skip-worker-idle", "--output-json", str(out),
+               "--no-progress")
     report = json.loads(out.read_text())
-    for mode in ("sync", "async"):
-        idle = report["worker_idle"][mode]
-        assert idle["async_scheduling"] == (mode == "async") and idle["num_steps"] >= 1
     for mode in ("greedy_2", "sampled_2"):
         share = report["sampling_share"][mode]
         assert 0 < share["sampler_ms"] < share["step_ms"] and share["lm_head_ms"] > 0
