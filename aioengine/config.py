@@ -155,12 +155,20 @@ class SchedulerConfig:
         max_waiting_requests: bound of the waiting queue; past it new
             requests are refused (HTTP 429).
         enable_chunked_prefill: split long prompts across steps.
+        async_scheduling: schedule step N+1 while the worker runs step N (vLLM v1's
+            ``--async-scheduling``): every decoding request is assumed to get one
+            more token, the worker feeds step N+1 from its own step-N samples, and
+            tokens of requests that ended at step N are dropped. Steps with
+            speculative decoding, structured outputs, beam search or ``n > 1``
+            children waiting for their fork run synchronously
+            (``EngineCore.can_overlap``).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting_requests: int = 1024
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):

@@ -24,7 +24,12 @@ Parts (each can be skipped):
    encoding, process_output) and on the ``AsyncEngine``'s uvloop step loop
    (what the server runs; read from ``EngineCore.last_step_time`` /
    ``last_forward_time``).
-4. The shared-memory ring round trip median (bench/ipc_ring.py's ``bench_ring``).
+4. Worker idle between consecutive decode steps on the ``AsyncEngine``, with
+   and without ``--async-scheduling`` (``ModelRunnerOutput.idle_time`` as a
+   share of the step).
+5. The step breakdown at 1, 8 and 32 rows: forward, LM head, sampler
+   (greedy, and temperature 0.8 with top-p 0.95), in-process.
+6. The shared-memory ring round trip median (bench/ipc_ring.py's ``bench_ring``).
 
 Usage:
     python bench/throughput.py                       # 64 random requests, fp32
@@ -268,6 +273,118 @@ def engine_overhead_async(engine_kwargs: dict, num_running: int, prompt_len: int
     return uvloop.run(_async_overhead(engine_kwargs, requests, num_running))
 
 
+async def _worker_idle(engine_kwargs: dict, requests: Sequence[BenchRequest],
+                       num_running: int) -> dict:
+    from aioengine.config import EngineConfig
+    from aioengine.engine.async_engine import AsyncEngine
+
+    engine = await AsyncEngine.start(EngineConfig.from_kwargs(**engine_kwargs))
+    try:
+        core = engine.core.core
+        update = core.update_from_output
+        records: list[tuple[float, float]] = []  # (idle s, forward + sample s)
+
+        def timed_update(so, ro, *args, **kwargs):
+            if so.num_reqs == num_running and so.total_num_scheduled_tokens == num_running:
+                records.append((ro.idle_time, ro.forward_time + ro.sample_time))
+            return update(so, ro, *args, **kwargs)
+
+        core.update_from_output = timed_update
+
+        async def consume(i: int, r: BenchRequest) -> None:
+            async for _ in engine.generate(list(r.prompt_token_ids),
+                                           sampling_params(r.output_len), f"idle-{i}"):
+                pass
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(consume(i, r) for i, r in enumerate(requests)))
+        elapsed = time.perf_counter() - t0
+    finally:
+        await engine.shutdown()
+    records = records[1:]  # the first full step follows the prefills' wait
+    if not records:
+        raise RuntimeError(f"no decode step ran {num_running} requests together")
+    idle = [i for i, _ in records]
+    busy = [b for _, b in records]
+    return {"num_steps": len(records), "num_running": num_running,
+            "async_scheduling": engine_kwargs.get("async_scheduling", False),
+            "median_idle_ms": 1000 * statistics.median(idle),
+            "median_busy_ms": 1000 * statistics.median(busy),
+            "idle_pct_of_step": 100 * sum(idle) / (sum(idle) + sum(busy)),
+            "output_tokens_per_s": sum(r.output_len for r in requests) / elapsed}
+
+
+def worker_idle(engine_kwargs: dict, num_running: int, prompt_len: int, output_len: int,
+                vocab_size: int, seed: int, async_scheduling: bool) -> dict:
+    """The worker's idle time between consecutive decode steps on the
+    ``AsyncEngine`` (from sending an output until the next step message is read,
+    ``ModelRunnerOutput.idle_time``), as a share of the step (idle + forward +
+    sampling), with or without async scheduling."""
+    import uvloop
+
+    requests = synthetic_workload(num_running, (prompt_len, prompt_len), (output_len, output_len),
+                                  vocab_size, seed + 2)
+    kwargs = dict(engine_kwargs, async_scheduling=async_scheduling)
+    return uvloop.run(_worker_idle(kwargs, requests, num_running))
+
+
+def sampling_share(rows_list: Sequence[int], threads: int, vocab_size: int, seed: int,
+                   steps: int = 12) -> dict:
+    """The step breakdown at 1, 8, 32 rows: worker forward, LM head and sampler
+    (ms, medians over full decode steps), in-process so the two halves of
+    ``ModelRunnerOutput.sample_time`` can be timed apart; greedy and sampled
+    (temperature 0.8, top-p 0.95) rows."""
+    from aioengine import LLM, SamplingParams
+    from aioengine.worker import model_runner as mr
+
+    llm = LLM(executor="inproc", num_threads=threads, max_num_seqs=max(rows_list))
+    runner = llm.executor.runner
+    model = runner.model
+    times: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            times[name] = times.get(name, 0.0) + time.perf_counter() - t
+            return out
+        return wrapper
+
+    compute_logits, sample_fn = model.compute_logits, mr.sample
+    model.compute_logits = timed("lm_head", compute_logits)
+    mr.sample = timed("sampler", sample_fn)
+    out: dict = {}
+    try:
+        for mode, params in (("greedy", dict(temperature=0.0)),
+                             ("sampled", dict(temperature=0.8, top_p=0.95, seed=seed))):
+            for rows in rows_list:
+                requests = synthetic_workload(rows, (64, 64), (steps, steps), vocab_size,
+                                              seed + rows)
+                for i, r in enumerate(requests):
+                    llm.engine.add_request(f"share-{mode}-{rows}-{i}", r.prompt_token_ids,
+                                           SamplingParams(max_tokens=steps, ignore_eos=True,
+                                                          **params))
+                recs = []
+                while llm.engine.has_unfinished_requests():
+                    times.clear()
+                    so = llm.engine.schedule()
+                    ro = llm.executor.execute_model(so)
+                    llm.engine.process_output(so, ro)
+                    if so.num_reqs == rows and so.total_num_scheduled_tokens == rows:
+                        recs.append((ro.forward_time + ro.sample_time, ro.forward_time,
+                                     times.get("lm_head", 0.0), times.get("sampler", 0.0)))
+                med = [1000 * statistics.median(x[j] for x in recs) for j in range(4)]
+                out[f"{mode}_{rows}"] = {"rows": rows, "step_ms": med[0], "forward_ms": med[1],
+                                         "lm_head_ms": med[2], "sampler_ms": med[3],
+                                         "sampler_pct": 100 * med[3] / med[0],
+                                         "lm_head_plus_sampler_pct": 100 * (med[2] + med[3])
+                                         / med[0]}
+    finally:
+        mr.sample = sample_fn
+        llm.shutdown()
+    return out
+
+
 def ring_round_trip(round_trips: int) -> dict:
     """bench/ipc_ring.py's ShmRing echo (engine side on uvloop)."""
     import multiprocessing as mp
@@ -311,6 +428,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overhead-prompt-len", type=int, default=64)
     p.add_argument("--overhead-output-len", type=int, default=64)
     p.add_argument("--skip-async-overhead", action="store_true")
+    p.add_argument("--skip-worker-idle", action="store_true",
+                   help="skip the worker idle time with and without --async-scheduling")
+    p.add_argument("--sampling-share-rows", type=int, nargs="*", default=[1, 8, 32],
+                   help="rows for the LM head / sampler step breakdown (none: skip)")
     p.add_argument("--ring-round-trips", type=int, default=2000, help="0: skip")
     p.add_argument("--output-json", default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -410,6 +531,17 @@ def main(argv: list[str] | None = None) -> dict:
             "engine overhead (async)", engine_overhead_async, engine_kwargs,
             args.overhead_requests, args.overhead_prompt_len, args.overhead_output_len,
             vocab_size, args.seed)
+    if args.overhead_requests and not args.skip_worker_idle:
+        report["worker_idle"] = {
+            ("async" if on else "sync"): phase(
+                f"worker idle (async scheduling {'on' if on else 'off'})", worker_idle,
+                engine_kwargs, args.overhead_requests, args.overhead_prompt_len,
+                args.overhead_output_len, vocab_size, args.seed, on)
+            for on in (False, True)}
+    if args.sampling_share_rows:
+        report["sampling_share"] = phase("sampling share", sampling_share,
+                                         args.sampling_share_rows, args.threads, vocab_size,
+                                         args.seed)
     if args.ring_round_trips:
         report["ring_round_trip"] = phase("ring round trip", ring_round_trip,
                                           args.ring_round_trips)
@@ -478,6 +610,22 @@ def print_report(r: dict, args: argparse.Namespace) -> None:
             if "breakdown_median_ms" in o:
                 print("   median ms: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in o["breakdown_median_ms"].items()))
+    if "worker_idle" in r:
+        for mode, o in r["worker_idle"].items():
+            print(f"\n== worker idle between decode steps ({mode}), {o['num_running']} running, "
+                  f"{o['num_steps']} steps: median idle {o['median_idle_ms']:.2f} ms, median "
+                  f"forward+sample {o['median_busy_ms']:.1f} ms, idle "
+                  f"{o['idle_pct_of_step']:.2f}% of the step, "
+                  f"{o['output_tokens_per_s']:.1f} output tok/s   target <= 2%")
+    if "sampling_share" in r:
+        print("\n== step breakdown (ms, medians of full decode steps; target sampler <= 10%)")
+        for key, o in r["sampling_share"].items():
+            if not isinstance(o, dict):
+                continue
+            print(f"   {key:<12} step {o['step_ms']:7.1f}  forward {o['forward_ms']:7.1f}  "
+                  f"LM head {o['lm_head_ms']:6.1f}  sampler {o['sampler_ms']:6.2f} "
+                  f"({o['sampler_pct']:.1f}%; LM head + sampler "
+                  f"{o['lm_head_plus_sampler_pct']:.1f}%)")
     if "ring_round_trip" in r:
         ring = r["ring_round_trip"]["shm_ring"]
         idle = r["ring_round_trip"].get("shm_ring_idle_1ms", {})

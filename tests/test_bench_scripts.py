@@ -107,9 +107,13 @@ def test_throughput_script_writes_both_sides(tmp_path: Path) -> None:
     run_script("throughput.py", "--num-prompts", "2", "--input-len-range", "8", "16",
                "--output-len-range", "2", "3", "--hf-batch-size", "2", "--batch1-tokens", "3",
                "--overhead-requests", "2", "--overhead-prompt-len", "8",
-               "--overhead-output-len", "3", "--ring-round-trips", "50",
-               "--output-json", str(out), "--no-progress")
+               "--overhead-output-len", "4", "--ring-round-trips", "50",
+               "--sampling-share-rows", "2", "--skip-worker-idle", "--output-json", str(out),
+               "--no-progress")
     report = json.loads(out.read_text())
+    for mode in ("greedy_2", "sampled_2"):
+        share = report["sampling_share"][mode]
+        assert 0 < share["sampler_ms"] < share["step_ms"] and share["lm_head_ms"] > 0
     for side in ("engine", "hf"):
         assert {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                 "elapsed_s"} <= set(report[side])

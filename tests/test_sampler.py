@@ -102,3 +102,77 @@ def test_logprobs_are_raw_and_include_the_sampled_token():
     (tok, lp), *top = lps[0]
     assert tok == 0 and abs(lp - raw[0].item()) < 1e-6
     assert [t for t, _ in top] == [2, 1]
+
+
+# -- the sampler at batch size: no full sort, sampled rows only, same tokens -----------------
+
+
+def _reference_sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The sampler before partial sorts: a full-vocabulary sort for top-k/top-p and
+    ``exponential_`` per row; seeded requests must keep these tokens."""
+    temperature = torch.where(b.temperature < 1e-5, 1.0, b.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    probs = logits.softmax(-1)
+    floor = probs.max(-1, keepdim=True).values * b.min_p.unsqueeze(1)
+    logits = logits.masked_fill((probs < floor) & (b.min_p > 0).unsqueeze(1), float("-inf"))
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    k = torch.where(b.top_k > 0, b.top_k, vocab)
+    mask = torch.arange(vocab).unsqueeze(0) >= k.unsqueeze(1)
+    p = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
+    mask |= (p.cumsum(-1) - p) >= b.top_p.unsqueeze(1)
+    logits = torch.empty_like(logits).scatter_(
+        1, sorted_idx, sorted_logits.masked_fill(mask, float("-inf")))
+    probs = logits.softmax(-1)
+    noise = torch.ones_like(probs)
+    for row, gen in enumerate(b.generators):
+        if not b.greedy[row]:
+            noise[row].exponential_(generator=gen)
+    return torch.where(torch.tensor(b.greedy), logits.argmax(-1), (probs / noise).argmax(-1))
+
+
+def test_partial_sort_sampling_keeps_the_seeded_tokens():
+    """Mixed greedy/sampled rows with top-k, top-p (one nucleus wider than the first
+    partial sort, from flat logits) and min-p: the same tokens, step after step,
+    as the full-sort sampler with ``exponential_`` per row."""
+    from aioengine.worker import sampler
+
+    vocab, rows = 3000, 6
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.tensor([[4.0], [4.0], [0.05], [4.0], [2.0], [4.0]])
+    settings = dict(
+        temperature=torch.tensor([0.0, 0.8, 1.0, 1.2, 0.7, 1.0]),
+        top_k=torch.tensor([0, 40, 0, 0, 5, 0]),
+        top_p=torch.tensor([1.0, 0.9, 0.99, 0.8, 1.0, 1.0]),
+        min_p=torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.2]))
+
+    def make() -> SamplingBatch:
+        b = batch(rows, generators=[torch.Generator().manual_seed(7 + r) for r in range(rows)],
+                  greedy=[True] + [False] * 5, need_top_k=True, need_top_p=True,
+                  need_min_p=True, **settings)
+        return b
+
+    ours, ref = make(), make()
+    assert sampler.TOP_P_FIRST_WIDTH < vocab * 0.99  # row 2's nucleus needs widening
+    for _ in range(8):
+        logits = torch.randn(rows, vocab, generator=gen) * scale
+        tokens, _ = sample(logits.clone(), ours)
+        assert tokens.tolist() == _reference_sample(logits, ref).tolist()
+
+
+def test_penalties_touch_only_the_rows_that_ask():
+    logits = torch.tensor([[3.0, 2.5, 0, 0, 0, 0, 0, 0]] * 2)
+    out_ids = torch.tensor([[0, 0, -1]] * 2)
+    b = batch(2, greedy=[True, True], all_greedy=True, need_penalties=True,
+              output_token_ids=out_ids, frequency_penalty=torch.tensor([0.0, 0.3]),
+              penalty_rows=torch.tensor([1]))
+    assert sample(logits.clone(), b)[0].tolist() == [0, 1]
+
+
+def test_logprobs_only_for_the_rows_that_ask():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0, 0, 0, 0, 0], [3.0, 2.0, 1.0, 0, 0, 0, 0, 0]])
+    b = batch(2, greedy=[True, True], all_greedy=True, num_logprobs=[-1, 1])
+    tokens, lps = sample(logits.clone(), b)
+    assert tokens.tolist() == [2, 0] and lps[0] is None
+    raw = logits[1].log_softmax(-1)
+    assert lps[1][0] == (0, lps[1][1][1]) and abs(lps[1][0][1] - raw[0].item()) < 1e-6

@@ -71,8 +71,30 @@ class _StepBuilder:
     scheduled_resumed: list[Request] = field(default_factory=list)
 
 
+@dataclass
+class LaunchedStep:
+    """A step scheduled ahead of its output (async scheduling, ``Scheduler.launch``).
+
+    Attributes:
+        requests: the step's requests, in ``SchedulerOutput`` order.
+        num_computed_before: each one's ``num_computed_tokens`` before the step.
+        num_preemptions: each one's ``num_preemptions`` when scheduled: a request
+            preempted (and maybe resumed) since then drops this step's token.
+    """
+
+    requests: list[Request]
+    num_computed_before: list[int]
+    num_preemptions: list[int]
+
+
 class Scheduler:
     """Decides what runs each step and applies the sampled tokens.
+
+    Async scheduling (``launch``): a step's counters move when it is scheduled,
+    each request that samples in it holds one placeholder token until its output
+    arrives (``num_placeholders``), so the next step can be scheduled before
+    that; a request that ends while a launched step still computes for it keeps
+    its blocks until the last such step's output is applied.
 
     Args:
         config: limits.
@@ -103,6 +125,11 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._step_id = 0
         self._scheduled_order: list[Request] = []
+        # Async scheduling: sampled tokens not yet applied, launched steps not yet
+        # applied, per request id; requests whose blocks wait for those steps.
+        self._placeholders: dict[str, int] = {}
+        self._num_in_flight: dict[str, int] = {}
+        self._deferred_free: list[Request] = []
         self.spec = (
             SpecDecodeScheduler(speculative_config, max_model_len)
             if speculative_config is not None
@@ -172,7 +199,12 @@ class Scheduler:
             self._free(request)
 
     def _free(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        self._placeholders.pop(request.request_id, None)
+        if self._num_in_flight.get(request.request_id):
+            # A launched step still writes its K/V: the blocks go when it is done.
+            self._deferred_free.append(request)
+        else:
+            self.kv_cache_manager.free(request)
         if self.spec is not None:
             self.spec.forget(request.request_id)
         if request.request_id in self._known_to_worker:
@@ -181,6 +213,24 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def num_placeholders(self, request: Request) -> int:
+        """Tokens ``request`` sampled in launched steps whose output is not applied
+        yet (async scheduling; always 0 otherwise)."""
+        return self._placeholders.get(request.request_id, 0)
+
+    def _num_tokens_ahead(self, request: Request) -> int:
+        """``num_tokens`` counting the placeholder tokens of launched steps."""
+        return request.num_tokens + self._placeholders.get(request.request_id, 0)
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """A launched step's token takes ``request`` to ``max_tokens`` or the
+        context length: nothing more to schedule for it."""
+        ahead = self._placeholders.get(request.request_id, 0)
+        return bool(ahead) and (
+            request.num_output_tokens + ahead >= request.max_tokens
+            or request.num_tokens + ahead >= self.max_model_len
+        )
 
     @property
     def num_running(self) -> int:
@@ -213,7 +263,11 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted for an earlier request in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+            if self._ends_in_flight(request):
+                continue
+            num_new = min(
+                self._num_tokens_ahead(request) - request.num_computed_tokens, step.token_budget
+            )
             if num_new <= 0:
                 continue
             new_blocks = self._allocate_with_drafts(request, num_new, step)
@@ -296,7 +350,7 @@ class Scheduler:
         deadlocked a beam search wider than ``max_num_seqs`` once one of its
         beams was preempted: the idle siblings filled every seat, the preempted
         beam could never be readmitted, and they waited for it forever."""
-        return sum(1 for r in self.running if r.num_computed_tokens < r.num_tokens)
+        return sum(1 for r in self.running if r.num_computed_tokens < self._num_tokens_ahead(r))
 
     def _admit(self, request: Request, num_hit: int, num_new: int, step: _StepBuilder) -> None:
         """Move a waiting request whose blocks are allocated into ``running``."""
@@ -345,7 +399,7 @@ class Scheduler:
         idle = [
             r
             for r in self.running
-            if r.num_computed_tokens >= r.num_tokens
+            if r.num_computed_tokens >= self._num_tokens_ahead(r)
             and r.sort_key() >= request.sort_key()
             and not self.kv_cache_manager.num_unwritten_shared_blocks(r)
         ]
@@ -363,6 +417,10 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
+        if self._placeholders.pop(victim.request_id, 0):
+            # Its launched token is dropped, but the worker appended it to its
+            # copy of the sequence: on resume it gets the engine's tokens.
+            victim.engine_chose_tokens = True
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
         if victim.request_id in self._known_to_worker:
@@ -460,8 +518,71 @@ class Scheduler:
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting)
 
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        """Advance the counters of the step ``schedule()`` just built, before it
+        runs (async scheduling): ``num_computed_tokens`` moves by the scheduled
+        tokens and each request that samples in it gets a placeholder token, so
+        the next ``schedule()`` gives it its next position. Apply the output with
+        ``update_from_output(output, runner_output, launched)``."""
+        order = self._scheduled_order
+        before = [r.num_computed_tokens for r in order]
+        for request, num_new in zip(order, output.num_scheduled_tokens):
+            rid = request.request_id
+            if request.num_computed_tokens + num_new >= self._num_tokens_ahead(request):
+                self._placeholders[rid] = self._placeholders.get(rid, 0) + 1
+            request.num_computed_tokens += num_new
+            self._num_in_flight[rid] = self._num_in_flight.get(rid, 0) + 1
+        return LaunchedStep(list(order), before, [r.num_preemptions for r in order])
+
+    def _update_launched(
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput, launched: LaunchedStep
+    ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
+        """``update_from_output`` for a launched step: counters already moved;
+        tokens of requests that ended or were preempted since are dropped."""
+        results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
+        logprobs = runner_output.logprobs
+        for k, request in enumerate(launched.requests):
+            rid = request.request_id
+            left = self._num_in_flight.get(rid, 0) - 1
+            if left > 0:
+                self._num_in_flight[rid] = left
+            else:
+                self._num_in_flight.pop(rid, None)
+            if (
+                request.is_finished
+                or request.status != RequestStatus.RUNNING
+                or request.num_preemptions != launched.num_preemptions[k]
+            ):
+                continue  # ended or preempted after it was scheduled
+            before = launched.num_computed_before[k]
+            self.stats.num_prompt_tokens += max(
+                0, min(before + output.num_scheduled_tokens[k], request.num_prompt_tokens) - before
+            )
+            token = runner_output.sampled_token_ids[k]
+            if token < 0:
+                results.append((request, None, None))
+                continue
+            left = self._placeholders.get(rid, 0) - 1
+            if left > 0:
+                self._placeholders[rid] = left
+            else:
+                self._placeholders.pop(rid, None)
+            self.stats.num_generation_tokens += 1
+            request.append_output_token_ids([token])
+            self._check_stop(request, token)
+            results.append((request, token, logprobs[k] if logprobs else None))
+        if self._deferred_free:
+            done = [r for r in self._deferred_free if not self._num_in_flight.get(r.request_id)]
+            self._deferred_free = [r for r in self._deferred_free if r not in done]
+            for request in done:
+                self.kv_cache_manager.free(request)
+        return results
+
     def update_from_output(
-        self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self,
+        output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        launched: LaunchedStep | None = None,
     ) -> list[tuple[Request, int | None, list[tuple[int, float]] | None]]:
         """Advance ``num_computed_tokens`` and append sampled tokens.
 
@@ -469,7 +590,10 @@ class Scheduler:
             ``(request, new_token_id or None, logprobs)`` per scheduled request
             still alive, in schedule order. Requests that reached EOS, a stop
             token, ``max_tokens`` or the context length are finished here.
+            ``launched``: the step was ``launch``ed (async scheduling).
         """
+        if launched is not None:
+            return self._update_launched(output, runner_output, launched)
         results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
         logprobs = runner_output.logprobs
         drafts_of = output.scheduled_spec_decode_tokens

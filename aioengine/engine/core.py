@@ -11,6 +11,7 @@ split of the same jobs). ``LLMEngine`` composes the four; ``LLM`` and
 
 from __future__ import annotations
 
+import collections
 import functools
 import random
 import time
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from aioengine.config import EngineConfig
 from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.core.scheduler import Scheduler
+from aioengine.core.scheduler import LaunchedStep, Scheduler
 from aioengine.engine.beam_search import BeamSearchGroup, BeamSearchParams
 from aioengine.engine.input_processor import EngineCoreRequest
 from aioengine.engine.parallel_sampling import SampleForks
@@ -159,6 +160,12 @@ class EngineCore:
         self.beam_searches: dict[str, BeamSearchGroup] = {}
         self._beam_of: dict[str, BeamSearchGroup] = {}
         self.sample_forks = SampleForks(self.scheduler)
+        self.async_scheduling = config.scheduler.async_scheduling
+        # Launched steps whose output is not applied yet, oldest first (at most 2).
+        self._in_flight: collections.deque[tuple[SchedulerOutput, LaunchedStep, float]] = (
+            collections.deque()
+        )
+        self.last_worker_idle_time = 0.0
 
     # -- requests ---------------------------------------------------------------
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
@@ -312,7 +319,8 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or launched steps whose output is still to be applied."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def get_request(self, request_id: str) -> Request | None:
         """A live (child) request: in the scheduler, or waiting to fork its
@@ -332,12 +340,59 @@ class EngineCore:
         return sampling_metadata(request, self.eos_token_id)
 
     # -- steps ------------------------------------------------------------------
+    def can_overlap(self) -> bool:
+        """Async scheduling may schedule the next step before this one's output:
+        it is on, and no request needs its step-N token on the engine side before
+        step N+1 is planned (speculative decoding, structured outputs, beam
+        search, ``n > 1`` children waiting for child 0's first token)."""
+        return (
+            self.async_scheduling
+            and self.scheduler.spec is None
+            and not self.beam_searches
+            and not self.sample_forks.num_waiting
+            and not any(
+                r.structured_output_request is not None for r in self.scheduler.requests.values()
+            )
+        )
+
+    def _launch_next(self) -> SchedulerOutput | None:
+        """Schedule and launch one more step if overlap is allowed, fewer than two
+        steps are in flight and there is work; the step to submit, or None."""
+        if len(self._in_flight) >= 2 or not self.can_overlap():
+            return None
+        if not self.scheduler.has_unfinished_requests():
+            return None
+        scheduler_output = self.schedule()
+        if _is_idle(scheduler_output):
+            return None
+        launched = self.scheduler.launch(scheduler_output)
+        self._in_flight.append((scheduler_output, launched, time.monotonic()))
+        return scheduler_output
+
+    def _apply_oldest(self, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        scheduler_output, launched, scheduled_time = self._in_flight.popleft()
+        return self.update_from_output(scheduler_output, runner_output, scheduled_time, launched)
+
     def step(self) -> EngineCoreOutputs:
         """Schedule, run on the executor (blocking), apply the sampled tokens.
+
+        With async scheduling the next step is submitted before this one's output
+        is awaited (``_launch_next``), so the worker never waits for the engine.
 
         Raises:
             WorkerDiedError: from the executor; the step is then not applied.
         """
+        if self._in_flight or self.can_overlap():
+            while (scheduler_output := self._launch_next()) is not None:
+                self.executor.submit(scheduler_output)
+            if not self._in_flight:
+                return EngineCoreOutputs(executed=False)
+            try:
+                runner_output = self.executor.get_output()
+            except BaseException:
+                self._in_flight.popleft()
+                raise
+            return self._apply_oldest(runner_output)
         scheduler_output = self.schedule()
         if _is_idle(scheduler_output):
             return EngineCoreOutputs(executed=False)
@@ -348,6 +403,17 @@ class EngineCore:
     async def step_async(self) -> EngineCoreOutputs:
         """``step()`` with the executor awaited: the event loop serves other
         work while the worker computes."""
+        if self._in_flight or self.can_overlap():
+            while (scheduler_output := self._launch_next()) is not None:
+                await self.executor.submit_async(scheduler_output)
+            if not self._in_flight:
+                return EngineCoreOutputs(executed=False)
+            try:
+                runner_output = await self.executor.get_output_async()
+            except BaseException:
+                self._in_flight.popleft()
+                raise
+            return self._apply_oldest(runner_output)
         scheduler_output = self.schedule()
         if _is_idle(scheduler_output):
             return EngineCoreOutputs(executed=False)
@@ -381,20 +447,24 @@ class EngineCore:
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
         scheduled_time: float = 0.0,
+        launched: LaunchedStep | None = None,
     ) -> EngineCoreOutputs:
         """Apply one step's sampled tokens: advance the requests, feed the
         grammars, finish what reached EOS, a stop token, a grammar's end,
-        ``max_tokens`` or the context length."""
+        ``max_tokens`` or the context length. ``launched``: the step was
+        scheduled ahead (async scheduling)."""
         self.last_forward_time = runner_output.forward_time + runner_output.sample_time
-        # Before the output moves any counter: a child 0 that ends on its first
-        # token still holds the prompt's blocks for its siblings to fork.
-        self.sample_forks.fork_after_step(
-            zip(self.scheduler.scheduled_requests, scheduler_output.num_scheduled_tokens)
-        )
+        self.last_worker_idle_time = runner_output.idle_time
+        if launched is None:
+            # Before the output moves any counter: a child 0 that ends on its first
+            # token still holds the prompt's blocks for its siblings to fork.
+            self.sample_forks.fork_after_step(
+                zip(self.scheduler.scheduled_requests, scheduler_output.num_scheduled_tokens)
+            )
         outputs: dict[str, EngineCoreOutput] = {}
         beam_groups: dict[str, BeamSearchGroup] = {}
         for request, token, logprobs in self.scheduler.update_from_output(
-            scheduler_output, runner_output
+            scheduler_output, runner_output, launched
         ):
             group = self._beam_of.get(request.request_id)
             if group is not None:

@@ -65,6 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false", help="turn automatic prefix caching off")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", help="turn chunked prefill off")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next step while the worker runs this one (vLLM's flag)")
     g.add_argument("--executor", default="process", choices=["process", "inproc"],
                    help="run the model in a worker subprocess or in this process "
                         "(default: %(default)s)")
@@ -107,6 +109,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_waiting_requests": args.max_waiting_requests,
         "enable_chunked_prefill": args.enable_chunked_prefill,
+        "async_scheduling": args.async_scheduling,
         # generate runs in this process unless the model is split over workers.
         "executor": args.executor or ("process" if args.tensor_parallel_size > 1
                                       or args.data_parallel_size > 1 else "inproc"),

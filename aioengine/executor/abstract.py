@@ -20,6 +20,7 @@ configuration the model cannot run (before anything is started).
 from __future__ import annotations
 
 import abc
+import collections
 import multiprocessing.process
 
 from aioengine.errors import WorkerDiedError
@@ -57,6 +58,43 @@ class Executor(abc.ABC):
             WorkerDiedError: the worker died or failed the step (``is_alive()``
                 tells the two apart).
         """
+
+    # -- steps in flight (async scheduling) --------------------------------------------
+    # ``submit`` hands a step over without waiting; ``get_output`` returns the oldest
+    # submitted step's output. An executor whose worker queues steps (the rings of
+    # ``MultiprocExecutor``) overrides them so the worker finds step N+1 waiting when
+    # it finishes step N. This default runs each step when its output is asked for:
+    # correct, in order, without overlap.
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Queue a step; its output comes from a later ``get_output``.
+
+        Raises:
+            WorkerDiedError: the worker is gone.
+        """
+        self._queued_steps().append(scheduler_output)
+
+    def get_output(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step, blocking.
+
+        Raises:
+            WorkerDiedError: the worker died or failed that step.
+        """
+        return self.execute_model(self._queued_steps().popleft())
+
+    async def submit_async(self, scheduler_output: SchedulerOutput) -> None:
+        """``submit`` without blocking the event loop."""
+        self._queued_steps().append(scheduler_output)
+
+    async def get_output_async(self) -> ModelRunnerOutput:
+        """``get_output`` without blocking the event loop."""
+        return await self.execute_model_async(self._queued_steps().popleft())
+
+    def _queued_steps(self) -> collections.deque[SchedulerOutput]:
+        queue = self.__dict__.get("_step_queue")
+        if queue is None:
+            queue = self.__dict__["_step_queue"] = collections.deque()
+        return queue
 
     @abc.abstractmethod
     def is_alive(self) -> bool:

@@ -315,6 +315,39 @@ class MultiprocExecutor(Executor):
             await asyncio.sleep(0)
             raise self._died() from exc
 
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Put a step on every rank's ring without waiting for its output: the
+        worker reads it as soon as it has finished the steps before it."""
+        try:
+            data = encode(scheduler_output)
+            for ring in self.rings_in:
+                ring.put(data)
+        except (EOFError, BrokenPipeError) as exc:
+            raise self._died() from exc
+
+    def get_output(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output, blocking."""
+        try:
+            return self._runner_output(self.ring_out.get())
+        except (EOFError, BrokenPipeError) as exc:
+            raise self._died() from exc
+
+    async def submit_async(self, scheduler_output: SchedulerOutput) -> None:
+        try:
+            data = encode(scheduler_output)
+            for ring in self.rings_in:
+                await ring.put_async(data)
+        except (EOFError, BrokenPipeError) as exc:
+            await asyncio.sleep(0)
+            raise self._died() from exc
+
+    async def get_output_async(self) -> ModelRunnerOutput:
+        try:
+            return self._runner_output(await self.ring_out.get_async())
+        except (EOFError, BrokenPipeError) as exc:
+            await asyncio.sleep(0)
+            raise self._died() from exc
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every rank (politely, then SIGKILL) and unlink every segment. Idempotent."""
         for process, ring in zip(self.processes, self.rings_in):

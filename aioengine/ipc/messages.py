@@ -116,6 +116,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=2):
     sampled token's logprob first, then the top alternatives, as
     ``(token_id, logprob)`` pairs. Times are in seconds, measured in the worker.
 
+    ``idle_time`` is how long the worker waited between its previous step's end
+    and this step's start (reading this message included): the engine-side time
+    on the step's critical path, which async scheduling removes.
+
     Speculative decoding: ``num_accepted_tokens[i]`` of request ``i``'s
     scheduled drafts were accepted, so it emits those drafts and then
     ``sampled_token_ids[i]``; ``spec_token_ids[i]`` are its drafts for the next
@@ -129,6 +133,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=2):
     sample_time: float
     num_accepted_tokens: list[int] | None = None
     spec_token_ids: list[list[int]] | None = None
+    idle_time: float = 0.0
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag=3):

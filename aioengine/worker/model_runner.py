@@ -207,6 +207,7 @@ class ModelRunner:
                                     a.num_kv_heads, a.head_dim), self.kv_cache_dtype)
         self.max_blocks_per_seq = -(-(self.max_model_len + 1) // self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
+        self._last_step_end = 0.0  # perf_counter() at the end of the last step
         self._free_rows: list[int] = []
         self._capacity = 0
         self.token_ids = np.zeros((0, self.max_model_len + 1), dtype=np.int64)
@@ -292,6 +293,15 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Raises KeyError if the delta names an unknown request."""
         t0 = time.perf_counter()
+        idle = t0 - self._last_step_end if self._last_step_end else 0.0
+        try:
+            out = self._execute_model(so, t0)
+        finally:
+            self._last_step_end = time.perf_counter()
+        out.idle_time = idle
+        return out
+
+    def _execute_model(self, so: SchedulerOutput, t0: float) -> ModelRunnerOutput:
         if so.copy_blocks:
             # Copy-on-write: before this step's forward writes into the copies.
             pairs = torch.tensor(so.copy_blocks, dtype=torch.int64)
@@ -413,9 +423,12 @@ class ModelRunner:
         batch.need_top_k = any(p.top_k > 0 for p in sampled_rows)
         batch.need_top_p = any(p.top_p < 1.0 for p in sampled_rows)
         batch.need_min_p = any(p.min_p > 0.0 for p in sampled_rows)
-        batch.need_penalties = any(p.presence_penalty or p.frequency_penalty
-                                   or p.repetition_penalty != 1.0 for p in params)
+        penalized = [i for i, p in enumerate(params) if p.presence_penalty
+                     or p.frequency_penalty or p.repetition_penalty != 1.0]
+        batch.need_penalties = bool(penalized)
         if batch.need_penalties:
+            if len(penalized) < len(params):
+                batch.penalty_rows = torch.tensor(penalized, dtype=torch.int64)
             rows = np.array([s.row for s in states])
             n_tok = np.array([s.num_tokens for s in states])
             n_prompt = np.array([s.num_prompt_tokens for s in states])

@@ -36,6 +36,7 @@ class SamplingBatch:
         num_logprobs: per row, -1 for none.
         logit_bias: ``(rows, token_ids, biases)`` or None.
         min_tokens_mask: ``(rows, token_ids)`` to set to -inf, or None.
+        penalty_rows: ``[k]`` int64, the rows that set a penalty (None: all rows).
         grammar_bitmask: ``(rows [k] int64, bitmask [k, ceil(vocab / 32)] int32)``
             of the structured-output rows, or None (structured outputs).
     """
@@ -60,6 +61,7 @@ class SamplingBatch:
     need_top_p: bool = False
     need_min_p: bool = False
     need_penalties: bool = False
+    penalty_rows: torch.Tensor | None = None
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -96,47 +98,146 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor,
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    vocab = logits.shape[1]
+    """Presence, frequency and repetition penalties, in place, on the rows that
+    set one (``batch.penalty_rows``; all rows when None). Returns ``logits``."""
     assert batch.output_token_ids is not None
-    out_counts = _token_counts(batch.output_token_ids, vocab)
+    vocab = logits.shape[1]
+    rows = batch.penalty_rows
+    sub = logits if rows is None else logits[rows]
+    out_ids = batch.output_token_ids if rows is None else batch.output_token_ids[rows]
+    out_counts = _token_counts(out_ids, vocab)
     seen = out_counts > 0
     if batch.prompt_token_ids is not None:
-        seen |= _token_counts(batch.prompt_token_ids, vocab) > 0
-    rep = batch.repetition_penalty.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - batch.frequency_penalty.unsqueeze(1) * out_counts
-    logits = logits - batch.presence_penalty.unsqueeze(1) * (out_counts > 0).float()
+        prompt_ids = batch.prompt_token_ids if rows is None else batch.prompt_token_ids[rows]
+        seen |= _token_counts(prompt_ids, vocab) > 0
+
+    def col(t: torch.Tensor) -> torch.Tensor:
+        return (t if rows is None else t[rows]).unsqueeze(1)
+
+    rep = col(batch.repetition_penalty)
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalized, sub)
+    sub = sub - col(batch.frequency_penalty) * out_counts
+    sub = sub - col(batch.presence_penalty) * (out_counts > 0).float()
+    if rows is None:
+        return sub
+    logits[rows] = sub
     return logits
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Mask logits outside top-k / the top-p nucleus / the min-p floor with -inf."""
-    if batch.need_min_p:
-        probs = logits.softmax(-1)
-        floor = probs.max(-1, keepdim=True).values * batch.min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    if not (batch.need_top_k or batch.need_top_p):
-        return logits
+#: First width of the partial sort that looks for a top-p nucleus (grown x8 when
+#: the nucleus is wider, up to the whole vocabulary).
+TOP_P_FIRST_WIDTH = 256
+
+
+def _top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Rows of ``logits`` ``[r, vocab]`` with every logit below the row's
+    ``top_k``-th largest set to -inf (ties with it are kept), by one partial sort
+    (``topk``) of width ``max(top_k)``: no full-vocabulary sort."""
+    k = top_k.clamp(1, logits.shape[1])
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p_mask_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``_top_p_mask`` by a full sort of each row (for wide nuclei)."""
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mask = (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
+    return torch.empty_like(logits).scatter_(1, sorted_idx,
+                                             sorted_logits.masked_fill(mask, float("-inf")))
+
+
+def _top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Rows of ``logits`` ``[r, vocab]`` outside the top-p nucleus (Holtzman et
+    al. 2020, §3.1) set to -inf: a token is kept when the probability mass of the
+    tokens before it, in descending order, is below ``top_p``.
+
+    The nucleus is first looked for with a partial sort (``topk``) of
+    ``TOP_P_FIRST_WIDTH`` tokens, then of 8x as many for rows whose first tokens
+    already hold half of ``top_p``; the remaining rows (flat distributions, wide
+    nuclei) are sorted whole. A peaked distribution never pays for a full sort."""
     vocab = logits.shape[1]
-    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    probs = logits.softmax(-1)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    rows_left = torch.arange(logits.shape[0])
+    to_sort = []
+    width = TOP_P_FIRST_WIDTH
+    while rows_left.numel() and width <= vocab // 8:
+        values, indices = probs[rows_left].topk(width, dim=-1)
+        cum = values.cumsum(-1)
+        threshold = top_p[rows_left]
+        mass = cum[:, -1]
+        done = mass >= threshold
+        rows = rows_left[done]
+        keep[rows] = keep[rows].scatter(
+            1, indices[done], (cum - values)[done] < threshold[done].unsqueeze(1))
+        flat = ~done & (mass < threshold / 2)
+        to_sort.append(rows_left[flat])
+        rows_left = rows_left[~done & ~flat]
+        width *= 8
+    rows = torch.cat(to_sort + [rows_left])
+    if rows.numel() == logits.shape[0]:
+        return _top_p_mask_sorted(logits, top_p)
+    out = logits.masked_fill(~keep, float("-inf"))
+    if rows.numel():
+        out[rows] = _top_p_mask_sorted(logits[rows], top_p[rows])
+    return out
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch,
+                            inplace: bool = False) -> torch.Tensor:
+    """Mask logits outside top-k / the top-p nucleus / the min-p floor with -inf.
+
+    Each filter touches only the rows that set it (``top_k > 0``, ``top_p < 1``,
+    ``min_p > 0``); top-p applies to what top-k left. No full-vocabulary sort
+    (partial sorts only, see ``_top_k_mask`` and ``_top_p_mask``).
+
+    Args:
+        logits: ``[num_reqs, vocab]`` fp32, already divided by the temperature.
+        batch: per-row ``top_k``, ``top_p``, ``min_p`` (``need_*`` flags say
+            whether any row sets one).
+        inplace: mask ``logits`` itself rather than a copy.
+    Returns:
+        ``[num_reqs, vocab]``: a new tensor unless ``inplace`` (``logits`` itself
+        when no filter applies).
+    """
+    if not (batch.need_min_p or batch.need_top_k or batch.need_top_p):
+        return logits
+    if not inplace:
+        logits = logits.clone()
+    if batch.need_min_p:
+        rows = torch.nonzero(batch.min_p > 0).squeeze(1)
+        if rows.numel():
+            sub = logits[rows]
+            probs = sub.softmax(-1)
+            floor = probs.max(-1, keepdim=True).values * batch.min_p[rows].unsqueeze(1)
+            logits[rows] = sub.masked_fill(probs < floor, float("-inf"))
     if batch.need_top_k:
-        k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
-        ranks = torch.arange(vocab).unsqueeze(0)
-        mask |= ranks >= k.unsqueeze(1)
+        rows = torch.nonzero(batch.top_k > 0).squeeze(1)
+        if rows.numel():
+            logits[rows] = _top_k_mask(logits[rows], batch.top_k[rows])
     if batch.need_top_p:
-        probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
-        # Keep a token if the mass strictly before it is below top_p.
-        mass_before = probs.cumsum(-1) - probs
-        mask |= mass_before >= batch.top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+        rows = torch.nonzero(batch.top_p < 1.0).squeeze(1)
+        if rows.numel():
+            logits[rows] = _top_p_mask(logits[rows], batch.top_p[rows])
+    return logits
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``[num_reqs]`` int64: each row's argmax, the first index among equal maxima
+    (``Tensor.max(dim)``'s indices: the same as ``argmax``, about 2-3x faster on
+    a CPU for a ``[32, 49152]`` fp32 tensor)."""
+    return logits.max(-1).indices
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch
            ) -> tuple[torch.Tensor, list[list[tuple[int, float]] | None] | None]:
     """Pick one token per row.
+
+    Greedy rows cost one argmax; only the sampled rows are scaled, filtered and
+    drawn (exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` from the row's
+    own generator); penalties and logprobs are computed for the rows that ask.
 
     Args:
         logits: ``[num_reqs, vocab]`` fp32 (modified in place where convenient).
@@ -148,8 +249,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch
         the model's raw distribution (before any processing), as vLLM returns.
     """
     raw_logprobs = None
-    if any(n >= 0 for n in batch.num_logprobs):
-        raw_logprobs = logits.log_softmax(-1)
+    logprob_rows = [row for row, n in enumerate(batch.num_logprobs) if n >= 0]
+    if logprob_rows:
+        raw_logprobs = logits[logprob_rows].log_softmax(-1)
     if batch.logit_bias is not None:
         rows, ids, bias = batch.logit_bias
         logits.index_put_((rows, ids), bias, accumulate=True)
@@ -163,32 +265,49 @@ def sample(logits: torch.Tensor, batch: SamplingBatch
         apply_grammar_bitmask(logits, *batch.grammar_bitmask)
 
     if batch.all_greedy:
-        tokens = logits.argmax(-1)
+        tokens = greedy_tokens(logits)
     else:
-        temperature = torch.where(batch.temperature < 1e-5, 1.0, batch.temperature)
-        scaled = apply_top_k_top_p_min_p(logits / temperature.unsqueeze(1), batch)
+        sampled = [row for row, g in enumerate(batch.greedy) if not g]
+        tokens = (greedy_tokens(logits) if len(sampled) < len(batch.greedy)
+                  else torch.empty(len(batch.greedy), dtype=torch.int64))
+        index = torch.tensor(sampled)
+        sub_batch = _rows(batch, index)
+        scaled = apply_top_k_top_p_min_p(logits[index] / sub_batch.temperature.unsqueeze(1),
+                                         sub_batch, inplace=True)
         probs = scaled.softmax(-1)
+        # One Exp(1) row per request from its own generator (vocab draws each: the
+        # generator's state, hence a seeded request's tokens, do not depend on
+        # the batch or on the filters).
         noise = torch.empty_like(probs)
-        for row, gen in enumerate(batch.generators):
-            if not batch.greedy[row]:
-                noise[row].exponential_(generator=gen)
-        tokens = (probs / noise).argmax(-1)
-        greedy_rows = torch.tensor(batch.greedy)
-        if greedy_rows.any():
-            tokens = torch.where(greedy_rows, logits.argmax(-1), tokens)
+        for row, gen in enumerate(sub_batch.generators):
+            noise[row].exponential_(generator=gen)
+        tokens[index] = (probs / noise).argmax(-1)
 
     if raw_logprobs is None:
         return tokens, None
-    out: list[list[tuple[int, float]] | None] = []
+    out: list[list[tuple[int, float]] | None] = [None] * len(batch.num_logprobs)
     token_list = tokens.tolist()
     max_top = max(batch.num_logprobs)
     top = raw_logprobs.topk(max_top, dim=-1) if max_top > 0 else None
-    for row, n in enumerate(batch.num_logprobs):
-        if n < 0:
-            out.append(None)
-            continue
-        entry = [(token_list[row], float(raw_logprobs[row, token_list[row]]))]
+    for k, row in enumerate(logprob_rows):
+        n = batch.num_logprobs[row]
+        entry = [(token_list[row], float(raw_logprobs[k, token_list[row]]))]
         if top is not None and n > 0:
-            entry += list(zip(top.indices[row, :n].tolist(), top.values[row, :n].tolist()))
-        out.append(entry)
+            entry += list(zip(top.indices[k, :n].tolist(), top.values[k, :n].tolist()))
+        out[row] = entry
     return tokens, out
+
+
+def _rows(batch: SamplingBatch, index: torch.Tensor) -> SamplingBatch:
+    """The per-row settings of rows ``index`` (the sampled rows of a step)."""
+    picked = index.tolist()
+    return SamplingBatch(
+        temperature=torch.where(batch.temperature[index] < 1e-5, 1.0, batch.temperature[index]),
+        top_p=batch.top_p[index], top_k=batch.top_k[index], min_p=batch.min_p[index],
+        presence_penalty=batch.presence_penalty[index],
+        frequency_penalty=batch.frequency_penalty[index],
+        repetition_penalty=batch.repetition_penalty[index],
+        generators=[batch.generators[i] for i in picked],
+        greedy=[batch.greedy[i] for i in picked],
+        num_logprobs=[batch.num_logprobs[i] for i in picked],
+        need_top_k=batch.need_top_k, need_top_p=batch.need_top_p, need_min_p=batch.need_min_p)
