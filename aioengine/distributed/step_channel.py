@@ -25,7 +25,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-INLINE_BYTES = 16 << 10
+INLINE_BYTES = 4 << 10
 _HEADER = struct.Struct("<q")
 _HEARTBEAT = -1
 

@@ -24,6 +24,7 @@ master's rendezvous.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -196,11 +197,14 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle | None,
                 if data is None:
                     channel.heartbeat()  # type: ignore[union-attr]
                     continue
-                if channel is not None:
-                    channel.send(data)  # as read, Shutdown included
                 msg = decode_to_worker(data)
                 if isinstance(msg, Shutdown):
+                    if channel is not None:
+                        with contextlib.suppress(Exception):  # a node already gone
+                            channel.send(data)
                     break
+                if channel is not None:
+                    channel.send(data)  # the bytes as read: no second encoding
                 out = runner.execute_model(msg)
             except Exception:
                 if rank == 0:
