@@ -13,7 +13,6 @@ nodes are fed by rank 0's broadcast of each step (``step_channel``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -151,18 +150,3 @@ def torchrun_env(environ: os._Environ[str] | dict[str, str] | None = None) -> To
         raise ValueError(f"torchrun environment: {exc.args[0]} is not set") from None
     except ValueError as exc:
         raise ValueError(f"torchrun environment: {exc}") from None
-
-
-def with_torchrun(parallel, env: TorchrunEnv):
-    """``parallel`` (a ``ParallelConfig``) with its node fields taken from
-    torchrun's variables: each torchrun process is one node of the layout;
-    the group meets at ``MASTER_PORT + 1`` (torchrun's own store holds
-    ``MASTER_PORT``)."""
-    num_threads = parallel.num_threads
-    if not num_threads and env.local_world_size > 1:  # several torchrun processes share a host
-        ranks = parallel.tensor_parallel_size // env.world_size
-        num_threads = max(1, (os.cpu_count() or 1) // (env.local_world_size * max(1, ranks)))
-    return dataclasses.replace(parallel, nnodes=env.world_size, node_rank=env.rank,
-                               master_addr=env.master_addr,
-                               master_port=env.master_port + TORCHRUN_PORT_OFFSET,
-                               num_threads=num_threads)

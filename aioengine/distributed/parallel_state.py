@@ -81,7 +81,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str,
 def _make_bound_gloo(store: dist.Store, rank: int, size: int,
                      timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
     """``Backend.register_backend`` creator: a gloo group on ``_bind_addr``."""
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=_bind_addr) if _bind_addr
                         else dist.ProcessGroupGloo.create_default_device()]

@@ -44,7 +44,7 @@ class StepChannel:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self._buffer = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
-        self._view = memoryview(self._buffer.numpy())
+        self._view = self._buffer.numpy().data  # a writable memoryview of the tensor
         self._one = torch.ones(1, dtype=torch.int64)
 
     def send(self, data: bytes) -> None:

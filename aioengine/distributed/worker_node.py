@@ -21,7 +21,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import time
 
 from aioengine.config import EngineConfig
 from aioengine.executor._worker_entry import run_worker

@@ -20,6 +20,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aioengine.config import EngineConfig
 
 # Subcommands contributed by other modules of this package, if they exist.
 MODULE_SUBCOMMANDS = {"chat": "aioengine.entrypoints.chat_client"}
@@ -339,7 +343,7 @@ def run_serve(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
-def _run_worker_node(config) -> int:
+def _run_worker_node(config: EngineConfig) -> int:
     """``serve`` on a node other than node 0: this node's ranks only (no API)."""
     from aioengine.distributed.worker_node import run_worker_node
 

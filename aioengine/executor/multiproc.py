@@ -115,19 +115,28 @@ def dist_inits(config: EngineConfig, *, first_start: bool) -> list[DistInit]:
         from aioengine.distributed.parallel_state import get_open_port
 
         method = f"tcp://127.0.0.1:{get_open_port()}"
-        return [DistInit(rank, p.tensor_parallel_size, method, threads)
-                for rank in range(p.tensor_parallel_size)]
+        return [
+            DistInit(rank, p.tensor_parallel_size, method, threads)
+            for rank in range(p.tensor_parallel_size)
+        ]
     layout = p.node_layout
     host = f"[{p.master_addr}]" if ":" in p.master_addr else p.master_addr
     node_addr = p.node_addr
     if not node_addr and not os.environ.get("GLOO_SOCKET_IFNAME"):
         node_addr = route_addr(p.master_addr, p.master_port)
-    return [DistInit(rank, p.tensor_parallel_size, f"tcp://{host}:{p.master_port}", threads,
-                     remote_ranks=layout.remote_ranks, node_addr=node_addr,
-                     rendezvous_timeout_s=STARTUP_TIMEOUT_S if first_start
-                     else RESTART_RENDEZVOUS_S,
-                     collective_timeout_s=p.distributed_timeout_s)
-            for rank in layout.local_ranks]
+    return [
+        DistInit(
+            rank,
+            p.tensor_parallel_size,
+            f"tcp://{host}:{p.master_port}",
+            threads,
+            remote_ranks=layout.remote_ranks,
+            node_addr=node_addr,
+            rendezvous_timeout_s=STARTUP_TIMEOUT_S if first_start else RESTART_RENDEZVOUS_S,
+            collective_timeout_s=p.distributed_timeout_s,
+        )
+        for rank in layout.local_ranks
+    ]
 
 
 def _worker_config(config: EngineConfig) -> EngineConfig:
@@ -172,9 +181,11 @@ class MultiprocExecutor(Executor):
     ) -> None:
         check_parallel_config(config)
         if config.parallel.node_rank != 0:
-            raise ValueError("only node 0 runs the engine; node_rank "
-                             f"{config.parallel.node_rank} runs worker ranks only "
-                             "(distributed.worker_node)")
+            raise ValueError(
+                "only node 0 runs the engine; node_rank "
+                f"{config.parallel.node_rank} runs worker ranks only "
+                "(distributed.worker_node)"
+            )
         self.config = config
         self.tp_size = config.parallel.tensor_parallel_size
         inits = dist_inits(config, first_start=allow_kernel_build and not standby)

@@ -203,6 +203,8 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle | None,
                         with contextlib.suppress(Exception):  # a node already gone
                             channel.send(data)
                     break
+                if not isinstance(msg, SchedulerOutput):
+                    continue  # LoadModel: only a standby waits for one
                 if channel is not None:
                     channel.send(data)  # the bytes as read: no second encoding
                 out = runner.execute_model(msg)
