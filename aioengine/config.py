@@ -222,7 +222,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     node_addr: str = ""
-    distributed_timeout_s: float = 30.0
+    distributed_timeout_s: float = 4.0
 
     def __post_init__(self) -> None:
         if self.executor not in ("process", "inproc"):

@@ -170,7 +170,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                    help="this node's address as the others reach it, which its ranks' gloo "
                         "sockets bind (default: GLOO_SOCKET_IFNAME's address if set, else "
                         "the route to --master-addr)")
-    g.add_argument("--dist-timeout", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--dist-timeout", type=float, default=4.0, metavar="SECONDS",
                    help="how long a collective waits for a peer before the group is "
                         "rebuilt: how soon a silently dropped host is noticed "
                         "(default: %(default)s)")
