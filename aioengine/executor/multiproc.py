@@ -157,9 +157,10 @@ class MultiprocExecutor(Executor):
     """Spawns the worker (one per tensor-parallel rank) and exchanges step messages.
 
     Attributes (besides the executor interface):
-        processes, rings_in, rings_out: one per rank; ``process``,
+        processes, rings_in, rings_out: one per rank on this host (all of
+            them on one host; node 0's across nodes); ``process``,
             ``ring_in``, ``ring_out``, ``pid`` are rank 0's.
-        rank_weight_bytes: each rank's parameter bytes from its handshake.
+        rank_weight_bytes: each of those ranks' parameter bytes from its handshake.
 
     Args:
         config: engine settings.
