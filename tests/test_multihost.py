@@ -213,6 +213,8 @@ def test_flags_and_torchrun_variables_map_onto_the_node_layout(monkeypatch):
     with pytest.raises(ValueError, match="cannot be spread evenly over 2 nodes"):
         EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(
             ["serve", "-tp", "3", "--nnodes", "2"])))
+    with pytest.raises(ValueError, match="--node-rank and --master-addr need --nnodes"):
+        engine_kwargs(parser.parse_args(["serve", "-tp", "2", "--node-rank", "1"]))
     with pytest.raises(ValueError, match="node_rank 2 is not in"):
         EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(
             ["serve", "-tp", "2", "--nnodes", "2", "--node-rank", "2"])))

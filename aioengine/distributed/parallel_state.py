@@ -116,7 +116,8 @@ def init_multi_node(init: DistInit) -> None:
     dist.init_process_group(BOUND_GLOO, store=store, rank=init.rank,
                             world_size=init.world_size, timeout=timeout)
     _TP_RANK, _TP_SIZE = init.rank, init.world_size
-    _STEP_GROUP = dist.new_group([0, *init.remote_ranks])
+    # Always gloo, whatever the model's group uses: the step is CPU bytes.
+    _STEP_GROUP = dist.new_group([0, *init.remote_ranks], backend=BOUND_GLOO)
 
 
 def set_collective_timeout(seconds: float) -> None:

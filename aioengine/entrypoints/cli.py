@@ -133,12 +133,12 @@ def _node_kwargs(args: argparse.Namespace) -> dict[str, object]:
     if args.nnodes is None:
         from aioengine.distributed.layout import TORCHRUN_PORT_OFFSET, torchrun_env
 
+        if args.node_rank is not None or args.master_addr is not None:
+            raise ValueError("--node-rank and --master-addr need --nnodes (under torchrun "
+                             "they come from RANK and MASTER_ADDR: leave them out)")
         env = torchrun_env()
         if env is None:
             return out
-        if args.node_rank is not None or args.master_addr is not None:
-            raise ValueError("--node-rank/--master-addr need --nnodes (under torchrun they "
-                             "come from RANK/MASTER_ADDR: leave them out)")
         out.update(nnodes=env.world_size, node_rank=env.rank, master_addr=env.master_addr,
                    master_port=env.master_port + TORCHRUN_PORT_OFFSET)
         if not args.num_threads and env.local_world_size > 1:  # torchrun processes share a host
