@@ -78,8 +78,12 @@ def run_worker_node(config: EngineConfig) -> int:
                 process.join()
             if exited and not stopping:
                 q = exited[0]
-                logger.warning("node %d: %s exited (code %s); rejoining the next group",
-                               p.node_rank, q.name, q.exitcode)
+                if q.exitcode == 0:  # node 0 shut its group down
+                    logger.info("node %d: the group closed; waiting for the next one",
+                                p.node_rank)
+                else:
+                    logger.warning("node %d: %s exited (code %s); rejoining the next group",
+                                   p.node_rank, q.name, q.exitcode)
                 multiprocessing.connection.wait([wake_r], timeout=REJOIN_DELAY_S)
     finally:
         for signum, handler in previous.items():
