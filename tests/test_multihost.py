@@ -9,7 +9,7 @@ broadcast. On a random-weight Llama with 8 query heads and 2 KV heads:
 - greedy tokens over HTTP equal TP=1's (in-process ``LLM``), near-tie rule;
 - node 1 frozen (SIGSTOP: a host that drops without closing its sockets) ends
   every in-flight request with an error within 5 s (the collective timeout), and
-  the same node 1 process rejoins once it runs again;
+  the same node 1 process rejoins once it runs again, on its spare rank;
 - SIGKILL of node 1's process ends every in-flight request with an error within
   5 s; node 0 reports unhealthy, and serves the same tokens again once node 1
   is restarted.
@@ -326,9 +326,13 @@ def test_silently_dropped_node1_fails_requests_within_5s_and_rejoins(two_nodes):
     before = complete(info, PROMPTS[2])[0]
     agent = node1["proc"].pid
     (rank1,) = rank_pids(agent, "aioengine-wrk1")
+    # Node 1 keeps a spare rank (imports done) once its rank joined.
+    assert wait_until(lambda: len(rank_pids(agent, "aioengine-sby1")) == 1, timeout=30)
+    (spare,) = rank_pids(agent, "aioengine-sby1")
+    frozen = (agent, rank1, spare)
 
     def freeze() -> None:
-        for pid in (agent, rank1):
+        for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
 
     try:
@@ -338,10 +342,11 @@ def test_silently_dropped_node1_fails_requests_within_5s_and_rejoins(two_nodes):
         assert seconds < 5.0, seconds
         assert wait_until(lambda: not _healthy(info), timeout=5)
     finally:
-        for pid in (agent, rank1):
+        for pid in frozen:
             os.kill(pid, signal.SIGCONT)
     assert wait_until(lambda: _healthy(info), timeout=120, interval=0.2), info.log_tail()
     assert node1["proc"].poll() is None and not pid_alive(rank1)
+    assert rank_pids(agent, "aioengine-wrk1") == [spare]  # the spare rejoined
     assert complete(info, PROMPTS[2])[0] == before
 
 

@@ -48,6 +48,8 @@ from aioengine.ipc.shm_ring import RingHandle, ShmRing
 from aioengine.logger import configure_logging
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from aioengine.distributed.step_channel import StepChannel
     from aioengine.worker.model_runner import ModelRunner
 
@@ -96,16 +98,20 @@ def _no_tqdm_semaphore() -> None:
     tqdm.std.TqdmDefaultWriteLock.mp_lock = None
 
 
-def _prewarm() -> None:
+def _prewarm(config: EngineConfig) -> None:
     """What a standby worker does before it is needed: the imports (torch,
-    the model code, transformers) and the C++ kernels' existing build, i.e. all
-    of a start but reading the weights and allocating the KV cache."""
+    the model code, and for an HF folder transformers' config classes, read
+    once) and the C++ kernels' existing build, i.e. all of a start but reading
+    the weights and allocating the KV cache."""
     import torch  # noqa: F401
 
     import aioengine.worker.model_runner  # noqa: F401
+    from aioengine.models.loader import is_gguf, load_hf_config
     from triton_kernels import cpu_ops
 
     cpu_ops.load()
+    if not is_gguf(config.model.model_path):
+        load_hf_config(config.model.model_path)  # imports transformers: ~2 s on a CPU
 
 
 # See worker_main; read by libgomp when torch is first imported.
@@ -115,7 +121,7 @@ DEFAULT_GOMP_SPINCOUNT = "10000"
 def worker_main(config: EngineConfig, ring_in_handle: RingHandle | None,
                 ring_out_handle: RingHandle | None, parent_pid: int,
                 dist: DistInit | None = None, standby: bool = False,
-                allow_kernel_build: bool = True) -> None:
+                allow_kernel_build: bool = True, node_conn: Connection | None = None) -> None:
     """Run until shutdown. Never raises: failures go back as ``WorkerError``.
 
     Args:
@@ -130,6 +136,10 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle | None,
         allow_kernel_build: False for every worker after the first: the C++
             kernels come from the existing build or not at all (the torch path,
             logged), never from a compile during a restart.
+        node_conn: a remote rank's pipe to its node (``distributed.worker_node``):
+            a standby waits on it for the signal to join (end of file stops it);
+            every remote rank sends on it once it joined the group. A standby
+            local rank waits for ``LoadModel`` instead.
     """
     _die_with_parent(parent_pid)
     configure_logging()  # the level ``aioengine serve --log-level`` exported, if any
@@ -155,13 +165,16 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle | None,
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if ring_in_handle is None or ring_out_handle is None:
         assert dist is not None, "only a tensor-parallel rank runs without rings"
-        remote_rank_main(config, dist)
+        if standby:
+            _wait_as_standby(config, node_conn)
+            _set_process_title(process_title(rank, standby=False))
+        remote_rank_main(config, dist, node_conn)
         return
     ring_in = ShmRing.attach(ring_in_handle)
     ring_out = ShmRing.attach(ring_out_handle)
     if standby:
         try:
-            _prewarm()
+            _prewarm(config)
             msg = decode_to_worker(ring_in.get())
         except EOFError:
             msg = Shutdown()
@@ -282,10 +295,25 @@ def check_same_config(config: EngineConfig, fingerprints: list[object]) -> None:
                                  f"same flags but --node-rank")
 
 
-def remote_rank_main(config: EngineConfig, dist: DistInit) -> None:
+def _wait_as_standby(config: EngineConfig, go: Connection | None) -> None:
+    """Do the imports, then wait for the node's signal; exit on end of file."""
+    try:
+        _prewarm(config)
+        if go is not None:
+            go.recv()
+    except EOFError:
+        os._exit(0)
+    except BaseException:
+        logger.error("standby rank failed its imports:\n%s", traceback.format_exc())
+        os._exit(1)
+
+
+def remote_rank_main(config: EngineConfig, dist: DistInit,
+                     node_conn: Connection | None = None) -> None:
     """A rank on another node than the engine's: join, load, then run every step
     rank 0 broadcasts until ``Shutdown``. Any failure ends the process (its
-    node restarts it to rejoin the next group); it answers nothing."""
+    node restarts it to rejoin the next group); it answers nothing, but tells
+    ``node_conn`` once it joined."""
     rank = dist.rank
     try:
         runner, channel = _start(config, dist)
@@ -298,6 +326,9 @@ def remote_rank_main(config: EngineConfig, dist: DistInit) -> None:
     assert channel is not None
     logger.info("tensor-parallel rank %d joined the group at %s (%d KV blocks)", rank,
                 dist.init_method, runner.num_blocks)
+    if node_conn is not None:
+        with contextlib.suppress(OSError):
+            node_conn.send(True)
     code = 0
     try:
         while True:
