@@ -30,7 +30,6 @@ import logging
 import os
 import signal
 import traceback
-
 from typing import TYPE_CHECKING
 
 from aioengine.config import EngineConfig
