@@ -183,7 +183,10 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle | None,
         if not isinstance(msg, LoadModel):
             ring_in.close()
             ring_out.close()
-            return
+            # Never used: skip the interpreter's teardown of torch and transformers
+            # (seconds on a busy CPU, which the engine's shutdown would wait for).
+            logging.shutdown()
+            os._exit(0)
         _set_process_title(process_title(rank, standby=False))
     try:
         runner, channel = _start(config, dist)
@@ -235,6 +238,11 @@ def worker_main(config: EngineConfig, ring_in_handle: RingHandle | None,
     finally:
         ring_in.close()
         ring_out.close()
+    if dist is not None:
+        # Skip the group's teardown at exit: with a peer already gone it waits, and
+        # the engine's shutdown then waits its 5 s before killing this process.
+        logging.shutdown()
+        os._exit(0)
 
 
 def _start(config: EngineConfig, dist: DistInit | None) -> tuple[ModelRunner, StepChannel | None]:
