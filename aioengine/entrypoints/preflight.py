@@ -294,8 +294,9 @@ def check_model(config: Any) -> ModelShape:
                 f"--kv-cache-memory {kv_bytes / (1 << 30):.3g} GiB holds {blocks} KV "
                 f"block(s) of this model; at least {MIN_KV_BLOCKS} are needed ({need:.1f} "
                 f"MiB; 1 GiB holds {(1 << 30) // per_block})")
-    # Every worker holds its own: each tensor-parallel rank of each replica.
-    workers = config.parallel.tensor_parallel_size * config.parallel.data_parallel_size
+    # Every worker holds its own: each tensor-parallel rank of each replica on this node.
+    p = config.parallel
+    workers = p.tensor_parallel_size // p.nnodes * p.data_parallel_size
     available = available_memory_bytes()
     if available is not None and kv_bytes * workers > available:
         each = (f" per worker ({workers} workers: {kv_bytes * workers / (1 << 30):.3g} GiB)"

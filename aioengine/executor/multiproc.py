@@ -13,6 +13,15 @@ carry only their handshake. Any rank's death is a worker crash: ``sentinel``
 is then an epoll fd that becomes readable when any rank's process sentinel
 does, and ``is_alive()`` is true only while every rank lives.
 
+Across nodes (``parallel.nnodes`` > 1) this executor runs on node 0 and starts
+only node 0's ranks, as above; rank 0 hosts the group's rendezvous at
+``master_addr:master_port`` and forwards every step to the other nodes' ranks
+(``distributed.step_channel``). A remote rank that dies, or a host that drops,
+breaks rank 0's next collective (at once when the peer's sockets close, else
+after ``distributed_timeout_s``): rank 0 reports the step failed and exits, so
+the death looks exactly like a local one, and the restart waits at the
+rendezvous for the other nodes to rejoin.
+
 The engine process creates and unlinks both segments. On the event loop a
 step is ``await ring_in.put_async`` then ``await ring_out.get_async`` (a pipe
 doorbell watched with ``loop.add_reader``): the loop serves other work while
@@ -33,6 +42,7 @@ import sys
 import time
 
 from aioengine.config import EngineConfig
+from aioengine.distributed.layout import DistInit, route_addr
 from aioengine.errors import WorkerDiedError
 from aioengine.executor._worker_entry import run_worker
 from aioengine.executor.abstract import Executor
@@ -52,6 +62,9 @@ from aioengine.models.arch import check_parallel_config
 RING_CAPACITY = 16 << 20  # bytes per direction; one step message is far smaller
 HANDSHAKE_RING_CAPACITY = 1 << 20  # ranks > 0 send only their handshake (or a traceback)
 STARTUP_TIMEOUT_S = 600.0
+# Across nodes, how long a restarted group waits at the rendezvous per attempt
+# (the engine then tries again): it bounds how long a shutdown waits too.
+RESTART_RENDEZVOUS_S = 60.0
 ERROR_GRACE_S = 3.0  # after one rank fails at start, how long to collect the others' errors
 
 
@@ -82,10 +95,48 @@ def _threads_per_rank(config: EngineConfig) -> int:
     With several workers (tensor-parallel ranks times data-parallel replicas)
     the cores are divided among them."""
     p = config.parallel
-    workers = p.tensor_parallel_size * p.data_parallel_size
+    workers = p.tensor_parallel_size // p.nnodes * p.data_parallel_size  # on this node
     if p.num_threads or workers == 1:
         return p.num_threads
     return max(1, (os.cpu_count() or 1) // workers)
+
+
+def dist_inits(config: EngineConfig, *, first_start: bool) -> list[DistInit]:
+    """How each of this node's ranks joins the group (an empty list without
+    tensor parallelism). On one host: a free loopback port; across nodes: the
+    master's address, this node's own address and the collective timeout.
+    ``first_start`` False (a restart or a standby) waits ``RESTART_RENDEZVOUS_S``
+    at the rendezvous instead of ``STARTUP_TIMEOUT_S``."""
+    p = config.parallel
+    if p.tensor_parallel_size == 1:
+        return []
+    threads = _threads_per_rank(config) or os.cpu_count() or 1  # 0: one rank on this node
+    if p.nnodes == 1:
+        from aioengine.distributed.parallel_state import get_open_port
+
+        method = f"tcp://127.0.0.1:{get_open_port()}"
+        return [
+            DistInit(rank, p.tensor_parallel_size, method, threads)
+            for rank in range(p.tensor_parallel_size)
+        ]
+    layout = p.node_layout
+    host = f"[{p.master_addr}]" if ":" in p.master_addr else p.master_addr
+    node_addr = p.node_addr
+    if not node_addr and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        node_addr = route_addr(p.master_addr, p.master_port)
+    return [
+        DistInit(
+            rank,
+            p.tensor_parallel_size,
+            f"tcp://{host}:{p.master_port}",
+            threads,
+            remote_ranks=layout.remote_ranks,
+            node_addr=node_addr,
+            rendezvous_timeout_s=STARTUP_TIMEOUT_S if first_start else RESTART_RENDEZVOUS_S,
+            collective_timeout_s=p.distributed_timeout_s,
+        )
+        for rank in layout.local_ranks
+    ]
 
 
 def _worker_config(config: EngineConfig) -> EngineConfig:
@@ -106,9 +157,10 @@ class MultiprocExecutor(Executor):
     """Spawns the worker (one per tensor-parallel rank) and exchanges step messages.
 
     Attributes (besides the executor interface):
-        processes, rings_in, rings_out: one per rank; ``process``,
+        processes, rings_in, rings_out: one per rank on this host (all of
+            them on one host; node 0's across nodes); ``process``,
             ``ring_in``, ``ring_out``, ``pid`` are rank 0's.
-        rank_weight_bytes: each rank's parameter bytes from its handshake.
+        rank_weight_bytes: each of those ranks' parameter bytes from its handshake.
 
     Args:
         config: engine settings.
@@ -129,21 +181,24 @@ class MultiprocExecutor(Executor):
         self, config: EngineConfig, *, standby: bool = False, allow_kernel_build: bool = True
     ) -> None:
         check_parallel_config(config)
+        if config.parallel.node_rank != 0:
+            raise ValueError(
+                "only node 0 runs the engine; node_rank "
+                f"{config.parallel.node_rank} runs worker ranks only "
+                "(distributed.worker_node)"
+            )
         self.config = config
-        self.tp_size = tp_size = config.parallel.tensor_parallel_size
-        self.rings_in = [ShmRing.create(RING_CAPACITY, role="producer") for _ in range(tp_size)]
+        self.tp_size = config.parallel.tensor_parallel_size
+        inits = dist_inits(config, first_start=allow_kernel_build and not standby)
+        self.num_local_ranks = n = max(1, len(inits))
+        self.rings_in = [ShmRing.create(RING_CAPACITY, role="producer") for _ in range(n)]
         self.rings_out = [
             ShmRing.create(RING_CAPACITY if rank == 0 else HANDSHAKE_RING_CAPACITY, role="consumer")
-            for rank in range(tp_size)
+            for rank in range(n)
         ]
         self.ring_in, self.ring_out = self.rings_in[0], self.rings_out[0]
         self._epoll: select.epoll | None = None
         ctx = multiprocessing.get_context("spawn")
-        dist = None
-        if tp_size > 1:
-            from aioengine.distributed.parallel_state import get_open_port
-
-            dist = (f"tcp://127.0.0.1:{get_open_port()}", tp_size, _threads_per_rank(config))
         worker_config = _worker_config(config)
         self.processes = [
             ctx.Process(
@@ -155,12 +210,12 @@ class MultiprocExecutor(Executor):
                     self.rings_in[rank].handle(),
                     self.rings_out[rank].handle(),
                     os.getpid(),
-                    None if dist is None else (rank, *dist),
+                    inits[rank] if inits else None,
                     standby,
                     allow_kernel_build,
                 ),
             )
-            for rank in range(tp_size)
+            for rank in range(n)
         ]
         self.process = self.processes[0]
         self.standby = standby
@@ -168,7 +223,7 @@ class MultiprocExecutor(Executor):
         with _main_module_hidden():
             for process in self.processes:
                 process.start()
-        if tp_size > 1:
+        if n > 1:
             self._epoll = select.epoll()
             for process in self.processes:
                 self._epoll.register(process.sentinel, select.EPOLLIN)
@@ -217,7 +272,7 @@ class MultiprocExecutor(Executor):
     def _handshake(self) -> list[WorkerReady]:
         """Every rank's ``WorkerReady``; any rank's failure raises ``WorkerDiedError``
         with the tracebacks of all ranks that failed within ``ERROR_GRACE_S``."""
-        if self.tp_size == 1:
+        if self.num_local_ranks == 1 and self.tp_size == 1:
             try:
                 ready = self._receive(self.ring_out.get(timeout=STARTUP_TIMEOUT_S))
             except (EOFError, TimeoutError) as exc:
@@ -227,7 +282,7 @@ class MultiprocExecutor(Executor):
         readies: dict[int, WorkerReady] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(readies) + len(errors) < self.tp_size and time.monotonic() < deadline:
+        while len(readies) + len(errors) < self.num_local_ranks and time.monotonic() < deadline:
             for rank, ring in enumerate(self.rings_out):
                 if rank in readies or rank in errors:
                     continue
@@ -246,12 +301,12 @@ class MultiprocExecutor(Executor):
                     errors[rank] = f"sent {type(msg).__name__} before its handshake"
             if errors:
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
-        if errors or len(readies) < self.tp_size:
+        if errors or len(readies) < self.num_local_ranks:
             detail = "\n".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items()))
             raise WorkerDiedError(
                 f"tensor-parallel workers did not start:\n{detail or 'timed out'}"
             )
-        return [readies[rank] for rank in range(self.tp_size)]
+        return [readies[rank] for rank in range(self.num_local_ranks)]
 
     @property
     def pid(self) -> int | None:
