@@ -70,7 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", help="turn chunked prefill off")
     g.add_argument("--async-scheduling", action="store_true",
-                   help="schedule the next step while the worker runs this one (vLLM's flag)")
+                   help="schedule the next step while the worker runs this one (vLLM's flag; "
+                        "off by default: docs/troubleshooting.md says why)")
     g.add_argument("--executor", default="process", choices=["process", "inproc"],
                    help="run the model in a worker subprocess or in this process "
                         "(default: %(default)s)")
