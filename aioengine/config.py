@@ -261,8 +261,8 @@ class ParallelConfig:
                              f"join the group)")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
-        if self.distributed_timeout_s <= 0:
-            raise ValueError("distributed_timeout_s must be positive, got "
+        if not 0 < self.distributed_timeout_s < float("inf"):  # NaN fails too
+            raise ValueError("distributed_timeout_s must be positive and finite, got "
                              f"{self.distributed_timeout_s}")
 
     @property

@@ -215,6 +215,10 @@ def test_flags_and_torchrun_variables_map_onto_the_node_layout(monkeypatch):
             ["serve", "-tp", "3", "--nnodes", "2"])))
     with pytest.raises(ValueError, match="--node-rank and --master-addr need --nnodes"):
         engine_kwargs(parser.parse_args(["serve", "-tp", "2", "--node-rank", "1"]))
+    for timeout in ("nan", "inf"):  # a NaN or endless timeout never notices a dropped host
+        with pytest.raises(ValueError, match="distributed_timeout_s must be positive and finite"):
+            EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(
+                ["serve", "-tp", "2", "--nnodes", "2", "--dist-timeout", timeout])))
     with pytest.raises(ValueError, match="node_rank 2 is not in"):
         EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(
             ["serve", "-tp", "2", "--nnodes", "2", "--node-rank", "2"])))
