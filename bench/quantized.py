@@ -1,7 +1,7 @@
-"""aioengine against llama.cpp on the same GGUF file, same threads, one run (issue 15).
+"""aioengine against llama.cpp on the same GGUF file, same threads, one run (issues 15, 16).
 
 Both servers are started here, one after the other, on free loopback ports
-and get the same streaming load: ``--concurrency`` (1,8,32) clients, each
+and get the same streaming load: ``--concurrency`` (1,2,4,...,64) clients, each
 sending ``--requests-per-stream`` requests back to back, ``--prompt-len``
 (100) random token ids, ``--max-tokens`` (128) greedy tokens with
 ``ignore_eos``, over SSE on ``POST /v1/completions``. The load generator and
@@ -10,13 +10,19 @@ ITL, TPOT and output tokens/s as the client sees them.
 
 Measured, in this order:
 
+0. The machine's ceilings on ``--threads`` threads: memory read bandwidth,
+   and ``torch.mm`` GEMMs in fp32 (MKL) and bf16 (oneDNN: AMX or AVX512-BF16
+   where the CPU has them) at 1024^3 and 2048^3, the fastest size of each
+   dtype kept (bench/flops.py's ``gemm_ceilings``).
 1. Batch-1 decode, ours: the offline ``LLM`` (worker subprocess), tokens/s
    after the first token, as bench/throughput.py measures it. This also
    builds the C++ kernels if they are not built yet, so the server start
    below measures a start "after the kernels are built".
 2. ``aioengine serve``, then ``llama-server -t T -tb T -np N -c N x (prompt +
-   output + 32)`` (``N``: the highest concurrency), each started alone: command
-   to ``GET /health`` 200, polled every 50 ms.
+   output + 32)`` (``N``: the highest concurrency; with ``-np`` given the KV
+   cache is split into one stream per slot, so each slot holds the same 260
+   tokens at any ``N`` and idle slots cost no attention work), each started
+   alone: command to ``GET /health`` 200, polled every 50 ms.
 3. The streaming load with both up, interleaved: at each concurrency ours,
    then llama-server, so each ratio is measured back to back (this machine's
    load drifts; an idle server sleeps).
@@ -31,6 +37,15 @@ llama.cpp runs with the ``GOMP_SPINCOUNT`` our worker sets
 (``--llama-gomp-spincount``): with libgomp's default spin, either engine
 slows several-fold whenever another process wants the cores.
 
+Compute share (issue 16): each run's matmul FLOPs, counted from the model's
+config and the requests actually served (bench/flops.py: prompt tokens not
+served from the prefix cache and every output token but the last through
+every linear layer, the LM head once per output token, attention's QK and PV
+at each position's context length), over the run's duration, as a share of
+the fp32 and the bf16 GEMM ceiling. Our quantized GEMM runs AMX bf16 tiles at
+9+ rows on a CPU that has them (fp32 activations converted per tile), fp32
+GEMV below, so the bf16 ceiling is the one that applies to 16+ streams there.
+
 The CPU model and its SIMD flags are printed first and stored with the
 figures. Ratios are ours / llama.cpp for throughput and llama.cpp / ours for
 TTFT (above 1: ours is better in both). Speed is never asserted; the
@@ -42,10 +57,12 @@ llama-bench from ``--llama-bench``, ``$LLAMA_BENCH``, llama-server's folder or
 Building them: bench/README.md ("aioengine against llama.cpp").
 
 Usage:
-    python bench/quantized.py --llama-server /path/to/llama-server      # ~10 min
+    python bench/quantized.py --llama-server /path/to/llama-server      # ~7 min quiet
     python bench/quantized.py --quick                                   # ~3 min
-Writes bench/results/quantized.json and the plot
-bench/results/quantized_vs_llama_cpp.png (``--plot-dir``).
+Writes bench/results/quantized.json and the plots (``--plot-dir``)
+bench/results/quantized_vs_llama_cpp.png (throughput and TTFT) and
+bench/results/quantized_concurrency.png (output tok/s against concurrency, both
+servers, ours / llama.cpp at each point; compute share below).
 """
 
 from __future__ import annotations
@@ -60,6 +77,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,6 +99,8 @@ from bench.common import (
 
 TARGETS = {
     "batch1_decode_ratio_min": 1.2,
+    "streams_32_output_throughput_ratio_min_issue16": 2.0,
+    "streams_32_compute_share_min_issue16": 0.5,
     "streams_8_32_output_throughput_ratio_min": 1.5,
     "streams_8_32_ttft_p50_no_worse": True,
     "serve_ready_s_max": 3.0,
@@ -440,10 +460,13 @@ def decode_weight_bytes(model: str) -> int:
 def roofline(args: argparse.Namespace) -> dict:
     """The machine's ceilings on ``--threads`` threads, measured here (bench/
     quant_kernels.py's ``ceilings``: the read bandwidth of a 512 MB sum and an
-    fp32 2048^3 GEMM), and the batch-1 decode tok/s that the read bandwidth
-    allows for this file's weights (memory-bound: one full read per token)."""
+    fp32 2048^3 GEMM; bench/flops.py's ``gemm_ceilings``: fp32 and bf16 GEMMs
+    at 1024^3 and 2048^3, the fastest of each dtype kept), and the batch-1
+    decode tok/s that the read bandwidth allows for this file's weights
+    (memory-bound: one full read per token)."""
     import torch
 
+    from bench.flops import gemm_ceilings
     from bench.quant_kernels import ceilings
 
     threads = torch.get_num_threads()
@@ -452,9 +475,148 @@ def roofline(args: argparse.Namespace) -> dict:
         out = ceilings(min_time=1.0)
     finally:
         torch.set_num_threads(threads)
+    gemm = gemm_ceilings(args.threads)
+    out["gemm_by_size"] = gemm["by_size"]
+    out["fp32_gemm_gflops"] = max(out["fp32_gemm_gflops"], gemm["fp32_gemm_gflops"])
+    out["bf16_gemm_gflops"] = gemm["bf16_gemm_gflops"]
     out["decode_weight_mb"] = decode_weight_bytes(args.model) / 1e6
     out["batch1_roofline_tokens_per_s"] = out["read_gbs"] * 1e3 / out["decode_weight_mb"]
     return out
+
+
+# -- compute share (issue 16) ---------------------------------------------------------------
+
+
+def gemm_path() -> str:
+    """The GEMM our quantized layers run at 9+ rows of x on this machine: ``"amx-bf16"``
+    (bf16 tiles, the default where the CPU has AMX-BF16), ``"amx-bf16x3"``
+    (``AIOENGINE_BF16_GEMM=0``: bf16 hi + lo, three tile products) or ``"fp32"``
+    (AVX-512/AVX2 FMA; also every GEMV of 1-8 rows). Loads (builds) the C++ kernels."""
+    from triton_kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None or ops.quant_isa() != 3 or not cpu_ops.amx_requested():
+        return "fp32"
+    return "amx-bf16" if cpu_ops.bf16_gemm_requested() else "amx-bf16x3"
+
+
+def dtype_in_use(path: str, concurrency: int) -> str:
+    """The dtype whose GEMM ceiling applies to our decode steps of ``concurrency``
+    rows: bf16 where they run the AMX GEMM (9+ rows), fp32 otherwise."""
+    return "bf16" if path.startswith("amx") and concurrency > 8 else "fp32"
+
+
+def add_compute(report: dict, model: str) -> None:
+    """Each streaming run's matmul FLOPs (bench/flops.py's ``run_flops``, from the
+    model's config and the requests served), its GFLOP/s and their share of the
+    roofline's fp32 and bf16 GEMM ceilings, as ``run["compute"]``; the model's
+    shapes as ``report["model_flops"]``."""
+    from dataclasses import asdict
+
+    from bench.flops import ModelFlops, run_flops, shares
+
+    shape = ModelFlops.from_model(model)
+    report["model_flops"] = {**asdict(shape), "params_per_layer": shape.params_per_layer,
+                             "lm_head_params": shape.lm_head_params}
+    ceilings = report.get("roofline", {})
+    for key in ("aioengine", "llama_cpp"):
+        for run in (report.get(key) or {}).get("server", {}).get("streams", []):
+            run["compute"] = run_flops(shape, run)
+            run["compute"]["share"] = shares(run["compute"]["gflops"], ceilings)
+
+
+def compute_table(report: dict) -> str:
+    """Markdown: per concurrency, output tok/s both sides, MFLOP per output token,
+    GFLOP/s and the shares of the fp32 / bf16 GEMM ceilings, both sides."""
+    roof, path = report.get("roofline", {}), report.get("gemm_path", "fp32")
+    by_c = {r["concurrency"]: r for r in (report.get("llama_cpp") or {}).get("server", {})
+            .get("streams", [])}
+
+    def pct(run: dict | None) -> str:
+        sh = (run or {}).get("compute", {}).get("share", {})
+        return " / ".join(f"{100 * sh[d]:.1f}%" for d in ("fp32", "bf16") if d in sh) or "n/a"
+
+    fp32, bf16 = roof.get("fp32_gemm_gflops"), roof.get("bf16_gemm_gflops")
+    ceil = (f"fp32 {fp32:.0f} / bf16 {bf16:.0f} GFLOP/s" if fp32 and bf16 else "not measured")
+    rows = [f"| streams | output tok/s, ours / llama.cpp | MFLOP per output token | GFLOP/s, "
+            f"ours / llama.cpp | ours: % of fp32 / bf16 GEMM ({ceil}) | llama.cpp: % of fp32 / "
+            f"bf16 | ceiling that applies to ours ({path}) |", "|---|---|---|---|---|---|---|"]
+    for r in report.get("aioengine", {}).get("server", {}).get("streams", []):
+        c, t, comp = r["concurrency"], by_c.get(r["concurrency"]), r.get("compute", {})
+        theirs = t["output_throughput"] if t else float("nan")
+        ratio = f" ({r['output_throughput'] / theirs:.2f}x)" if t and theirs else ""
+        t_gf = t["compute"]["gflops"] if t and "compute" in t else float("nan")
+        d = dtype_in_use(path, c)
+        applies = comp.get("share", {}).get(d)
+        rows.append(f"| {c} | {r['output_throughput']:.1f} / {fmt(theirs)}{ratio} | "
+                    f"{comp.get('mflop_per_output_token', float('nan')):.1f} | "
+                    f"{comp.get('gflops', float('nan')):.1f} / {fmt(t_gf)} | {pct(r)} | "
+                    f"{pct(t)} | {d}: {f'{100 * applies:.1f}%' if applies else 'n/a'} |")
+    return "\n".join(rows)
+
+
+def plot_curve(report: dict, path: Path) -> None:
+    """Output tok/s against concurrency (log2 axis), ours and llama-server on one
+    chart, each point of ours labelled ours / llama.cpp; below, the workload's
+    GFLOP/s against the fp32 and bf16 GEMM ceilings of the same run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8.5), height_ratios=(3, 2), sharex=True)
+    sides = [(name, side["server"]["streams"]) for name, side in
+             (("aioengine serve", report.get("aioengine")),
+              ("llama-server", report.get("llama_cpp"))) if side]
+    for name, runs in sides:
+        cs = [r["concurrency"] for r in runs]
+        ax1.plot(cs, [r["output_throughput"] for r in runs], marker="o", label=name)
+        if all("compute" in r for r in runs):
+            ax2.plot(cs, [r["compute"]["gflops"] for r in runs], marker="o", label=name)
+    for r in sides[0][1] if sides else []:
+        ratio = report["ratios"].get(f"streams_{r['concurrency']}")
+        if ratio:
+            ax1.annotate(f"{ratio['output_throughput']:.2f}x",
+                         (r["concurrency"], r["output_throughput"]),
+                         textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    roof = report.get("roofline", {})
+    for key, style in (("fp32", ":"), ("bf16", "--")):
+        ceiling = roof.get(f"{key}_gemm_gflops")
+        for level, color in ((1.0, "dimgray"), (0.5, "darkgray")) if ceiling else ():
+            ax2.axhline(level * ceiling, color=color, ls=style, lw=1.0)
+            name = f"{key} GEMM ceiling" if level == 1.0 else f"50% of {key}"
+            ax2.annotate(f"{name} {level * ceiling:.0f}", (0.005, level * ceiling),
+                         xycoords=("axes fraction", "data"), fontsize=7, color=color,
+                         va="bottom")
+    ticks = [r["concurrency"] for r in sides[0][1]] if sides else []
+    ax1.set_xscale("log", base=2)
+    if ticks:
+        ax1.set_xticks(ticks, [str(c) for c in ticks])
+    ax1.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax1.set_ylim(0, 1.12 * max((r["output_throughput"] for _, runs in sides for r in runs),
+                               default=1.0))
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("output throughput (labels: ours / llama.cpp)", fontsize=9)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("GFLOP/s (matmuls of the workload)")
+    ax2.set_xlabel("concurrent streams")
+    ax2.set_title(f"compute against GEMM ceilings on the same threads (our GEMM at 9+ rows: "
+                  f"{report.get('gemm_path', '?')})", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    a, cpu, load = report["args"], report["cpu"], report["load"]
+    machine = textwrap.fill(f"{cpu['model']}: {' '.join(cpu['simd_flags'])}", 120)
+    fig.suptitle(f"{Path(a['model']).name}, {a['threads']} threads both, prompts "
+                 f"{a['prompt_len']} tokens, {a['max_tokens']} output tokens, "
+                 f"{a['requests_per_stream']} request(s) per stream; llama-server -np "
+                 f"{report['n_slots']}\n{machine}\n"
+                 f"{report['time']}, load avg {load['loadavg_1m_min']:.1f}-"
+                 f"{load['loadavg_1m_max']:.1f}", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # -- ratios, table, plot --------------------------------------------------------------------
@@ -617,6 +779,16 @@ def print_targets(report: dict) -> None:
                      f"(read {roof['read_gbs']:.1f} GB/s over {roof['decode_weight_mb']:.1f} MB "
                      f"of weights per token); fp32 GEMM ceiling "
                      f"{roof['fp32_gemm_gflops']:.0f} GFLOP/s")
+    r32 = [r for r in ours.get("streams", []) if r["concurrency"] == 32 and "compute" in r]
+    if r32:
+        comp, ratio = r32[0]["compute"], rat.get("streams_32", {}).get("output_throughput")
+        d = dtype_in_use(report.get("gemm_path", "fp32"), 32)
+        share = "; ".join(f"{100 * v:.1f}% of the {k} GEMM ceiling"
+                          for k, v in comp["share"].items()) or "no ceiling measured"
+        lines.append(f"32 streams (issue 16): {f'{ratio:.2f}x' if ratio else 'n/a'} "
+                     f"llama-server's output tok/s (target >= 2x); {comp['gflops']:.1f} GFLOP/s "
+                     f"= {share} (target >= 50% of the dtype in use: {d}, our GEMM "
+                     f"{report.get('gemm_path')})")
     print("\n".join(lines))
 
 
@@ -632,7 +804,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="llama-bench binary (default: $LLAMA_BENCH, llama-server's folder, PATH; "
                         "'none': time batch 1 with llama-server's single stream)")
     p.add_argument("--threads", type=int, default=2, help="threads of both engines")
-    p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64",
+                   help="comma-separated stream counts")
     p.add_argument("--prompt-len", type=int, default=100, help="prompt tokens (random ids)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--requests-per-stream", type=int, default=2,
@@ -706,12 +879,15 @@ def main(argv: list[str] | None = None) -> dict:
                     "args": vars(args), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     logs = Path(tempfile.mkdtemp(prefix="aioengine-bench-quantized-"))
 
+    report["gemm_path"] = gemm_path()
+    print(f"our quantized GEMM at 9+ rows: {report['gemm_path']}", flush=True)
     if not args.skip_roofline:
         report["roofline"] = roofline(args)
         r = report["roofline"]
         print(f"ceilings on {args.threads} threads: memory read {r['read_gbs']:.1f} GB/s, fp32 "
-              f"GEMM {r['fp32_gemm_gflops']:.1f} GFLOP/s; {r['decode_weight_mb']:.1f} MB of "
-              f"weights per decode step -> batch-1 roofline "
+              f"GEMM {r['fp32_gemm_gflops']:.1f} GFLOP/s, bf16 GEMM "
+              f"{r['bf16_gemm_gflops']:.1f} GFLOP/s ({r['gemm_by_size']}); "
+              f"{r['decode_weight_mb']:.1f} MB of weights per decode step -> batch-1 roofline "
               f"{r['batch1_roofline_tokens_per_s']:.0f} tok/s", flush=True)
         load.sample()
 
@@ -759,15 +935,21 @@ def main(argv: list[str] | None = None) -> dict:
     load.sample()
     report["load"] = load.summary()
     report["ratios"] = ratios(report)
+    add_compute(report, args.model)
     report["table_markdown"] = table(report)
+    report["compute_table_markdown"] = compute_table(report)
     path = write_results(args.output_json, "quantized.json", report)
     plot_path = Path(args.plot_dir) / "quantized_vs_llama_cpp.png"
+    curve_path = Path(args.plot_dir) / "quantized_concurrency.png"
     plot(report, plot_path)
+    plot_curve(report, curve_path)
     print(f"\n{cpu['model']} ({' '.join(cpu['simd_flags'])}), {args.threads} threads, load "
-          f"{report['load']['loadavg_1m_min']:.2f}-{report['load']['loadavg_1m_max']:.2f}\n")
+          f"{report['load']['loadavg_1m_min']:.2f}-{report['load']['loadavg_1m_max']:.2f}, "
+          f"{report['time']}\n")
     print(report["table_markdown"] + "\n")
+    print(report["compute_table_markdown"] + "\n")
     print_targets(report)
-    print(f"wrote {path} and {plot_path}")
+    print(f"wrote {path}, {plot_path} and {curve_path}")
     return report
 
 

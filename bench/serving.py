@@ -327,7 +327,8 @@ def summarize(results: Sequence[RequestResult], num_sent: int, t0: float) -> dic
 
 def _request_record(r: RequestResult, t0: float) -> dict:
     return {"ok": r.ok, "prompt_len": r.prompt_len, "output_len": r.output_len,
-            "start_s": round(r.start - t0, 4), "ttft_s": round(r.ttft_s, 4),
+            "cached_tokens": r.cached_tokens, "start_s": round(r.start - t0, 4),
+            "ttft_s": round(r.ttft_s, 4),
             "e2e_s": round(r.e2e_s, 4), "itl_s": [round(x, 5) for x in r.itl_s],
             "error": r.error}
 

@@ -254,6 +254,70 @@ def test_quantized_cpu_info_and_binary_lookup(tmp_path: Path) -> None:
         find_binary(str(tmp_path / "missing"), "AIOENGINE_TEST_NO_SUCH_VAR", "llama-server")
 
 
+def test_flop_model_matches_a_hand_count_on_the_default_model() -> None:
+    from aioengine.config import default_model_path
+    from aioengine.models.gguf_file import GGUFFile
+    from bench.flops import ModelFlops
+
+    path = default_model_path()
+    m = ModelFlops.from_model(path)
+    # SmolLM2-135M: h 576, 9 query / 3 KV heads of 64, MLP 1536, 30 layers, V 49152.
+    per_layer = 576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536
+    assert m.params_per_layer == per_layer == 3_538_944
+    # ... and the file's own matrices: every 2-D tensor of a block is a projection,
+    # the (tied) token embedding is the LM head.
+    tensors = GGUFFile.read(path).tensors
+    blk = sum(t.shape[0] * t.shape[1] for n, t in tensors.items()
+              if n.startswith("blk.") and len(t.shape) == 2)
+    assert blk == m.num_layers * m.params_per_layer
+    head = tensors.get("output.weight") or tensors["token_embd.weight"]
+    assert head.shape[0] * head.shape[1] == m.lm_head_params == 49152 * 576
+    # 100 prompt tokens, 128 out: 227 tokens through the layers, 128 LM head rows,
+    # attention over 1 + 2 + ... + 227 keys of 4 x 9 x 64 FLOPs in each of 30 layers.
+    f = m.request_flops(100, 128)
+    assert f["linear"] == 2 * 227 * 30 * per_layer
+    assert f["lm_head"] == 2 * 128 * 49152 * 576
+    assert f["attention"] == 4 * 9 * 64 * 30 * (227 * 228 // 2)
+    assert f["total"] == 57_236_861_952
+    # 96 prompt tokens from the prefix cache: neither their projections nor their
+    # attention run; the last prompt token always does.
+    c = m.request_flops(100, 128, cached_tokens=96)
+    assert f["linear"] - c["linear"] == 2 * 96 * 30 * per_layer
+    assert f["attention"] - c["attention"] == 4 * 9 * 64 * 30 * (96 * 97 // 2)
+    assert m.request_flops(100, 1, cached_tokens=100) == m.request_flops(100, 1, 99)
+
+
+def test_flop_model_sliding_windows_and_run_totals() -> None:
+    from types import SimpleNamespace
+
+    from bench.flops import ModelFlops, keys_attended, run_flops, shares
+
+    for start, end, window in [(0, 10, None), (3, 40, 16), (20, 30, 16), (0, 5, 16), (7, 7, 4)]:
+        assert keys_attended(start, end, window) == sum(
+            min(p + 1, window or p + 1) for p in range(start, end))
+    cfg = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
+                          intermediate_size=16, vocab_size=10, sliding_window=4,
+                          layer_types=["sliding_attention", "full_attention"])
+    m = ModelFlops.from_config(cfg)
+    assert m.windows == (4, None) and m.num_kv_heads == 2 and m.head_dim == 4
+    assert m.attention_flops(0, 6) == 4 * 8 * ((1 + 2 + 3 + 4 + 4 + 4) + 21)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        ModelFlops.from_config(SimpleNamespace(**vars(cfg), num_local_experts=8))
+    run = {"duration_s": 2.0, "cached_prompt_tokens": 3,
+           "requests": [{"ok": True, "prompt_len": 5, "output_len": 4},
+                        {"ok": True, "prompt_len": 5, "output_len": 4},
+                        {"ok": False, "prompt_len": 5, "output_len": 0}]}
+    out = run_flops(m, run)  # older records: the run's cached tokens on one request
+    want = m.request_flops(5, 4, 3)["total"] + m.request_flops(5, 4)["total"]
+    assert out["flops"]["total"] == want and out["output_tokens"] == 8
+    assert out["gflops"] == pytest.approx(want / 2.0 / 1e9)
+    for r in run["requests"]:
+        r["cached_tokens"] = 0
+    assert run_flops(m, run)["flops"]["total"] == 2 * m.request_flops(5, 4)["total"]
+    assert shares(50.0, {"fp32_gemm_gflops": 200.0, "bf16_gemm_gflops": 1000.0}) == {
+        "fp32": 0.25, "bf16": 0.05}
+
+
 @pytest.mark.slow
 def test_quantized_script_measures_ours_without_llama_cpp(tmp_path: Path) -> None:
     out = tmp_path / "quantized.json"
@@ -286,6 +350,21 @@ def test_quantized_script_measures_ours_without_llama_cpp(tmp_path: Path) -> Non
     assert server["restart"]["serving_again_s"] > 0
     assert report["cpu"]["model"] and "aioengine serve" in report["table_markdown"]
     assert (tmp_path / "quantized_vs_llama_cpp.png").stat().st_size > 0
+    # Compute share (issue 16): both GEMM ceilings measured; each run's FLOPs are the
+    # FLOP model's on the requests served, over the run's duration.
+    assert roof["fp32_gemm_gflops"] > 0 and roof["bf16_gemm_gflops"] > 0
+    from bench.flops import ModelFlops
+
+    model = ModelFlops.from_model(report["args"]["model"])
+    for run in server["streams"]:
+        want = sum(model.request_flops(r["prompt_len"], r["output_len"],
+                                       r["cached_tokens"])["total"] for r in run["requests"])
+        assert run["compute"]["flops"]["total"] == want
+        assert run["compute"]["gflops"] == pytest.approx(want / run["duration_s"] / 1e9)
+        assert run["compute"]["share"]["bf16"] == pytest.approx(
+            run["compute"]["gflops"] / roof["bf16_gemm_gflops"])
+    assert "% of fp32 / bf16 GEMM" in report["compute_table_markdown"]
+    assert (tmp_path / "quantized_concurrency.png").stat().st_size > 0
 
 
 def test_spec_decode_script_compares_both_engines(tmp_path: Path) -> None:
