@@ -44,7 +44,8 @@ every linear layer, the LM head once per output token, attention's QK and PV
 at each position's context length), over the run's duration, as a share of
 the fp32 and the bf16 GEMM ceiling. Our quantized GEMM runs AMX bf16 tiles at
 9+ rows on a CPU that has them (fp32 activations converted per tile), fp32
-GEMV below, so the bf16 ceiling is the one that applies to 16+ streams there.
+GEMV below, so there the bf16 ceiling applies to the decode steps of 9+
+streams (and to every prefill), the fp32 one to 1-8 streams' decode steps.
 
 The CPU model and its SIMD flags are printed first and stored with the
 figures. Ratios are ours / llama.cpp for throughput and llama.cpp / ours for
@@ -57,7 +58,7 @@ llama-bench from ``--llama-bench``, ``$LLAMA_BENCH``, llama-server's folder or
 Building them: bench/README.md ("aioengine against llama.cpp").
 
 Usage:
-    python bench/quantized.py --llama-server /path/to/llama-server      # ~7 min quiet
+    python bench/quantized.py --llama-server /path/to/llama-server      # ~6 min quiet
     python bench/quantized.py --quick                                   # ~3 min
 Writes bench/results/quantized.json and the plots (``--plot-dir``)
 bench/results/quantized_vs_llama_cpp.png (throughput and TTFT) and
