@@ -324,6 +324,7 @@ def test_quantized_script_measures_ours_without_llama_cpp(tmp_path: Path) -> Non
     proc = run_script("quantized.py", "--llama-server", "none", "--concurrency", "1,2",
                       "--prompt-len", "8", "--max-tokens", "3", "--requests-per-stream", "1",
                       "--batch1-tokens", "4", "--time-limit", "300", "--restart-timeout", "300",
+                      "--ceiling-time", "0.1",
                       "--output-json", str(out), "--plot-dir", str(tmp_path), "--no-progress")
     assert proc.stdout.startswith("CPU: ")
     assert "llama-server not found" in proc.stdout
