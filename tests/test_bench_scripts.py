@@ -238,6 +238,28 @@ def test_quantized_ratios_and_table_put_ours_over_llama_cpp() -> None:
     assert alone["ratios"] == {} and "llama.cpp (not run)" in table(alone)
 
 
+def test_quantized_compute_table_names_the_ceiling_that_applies() -> None:
+    from bench.quantized import compute_table, dtype_in_use
+
+    def run(c: int, tok_s: float, gflops: float) -> dict:
+        return {"concurrency": c, "output_throughput": tok_s,
+                "compute": {"gflops": gflops, "mflop_per_output_token": 445.0,
+                            "share": {"fp32": gflops / 400.0, "bf16": gflops / 1600.0}}}
+
+    report = {"roofline": {"fp32_gemm_gflops": 400.0, "bf16_gemm_gflops": 1600.0},
+              "gemm_path": "amx-bf16",
+              "aioengine": {"server": {"streams": [run(8, 300.0, 120.0), run(32, 600.0, 240.0)]}},
+              "llama_cpp": {"server": {"streams": [run(8, 150.0, 60.0), run(32, 160.0, 64.0)]}}}
+    text = compute_table(report)
+    assert "fp32 400 / bf16 1600 GFLOP/s" in text
+    # 8 streams decode through the fp32 GEMV, 32 through the AMX bf16 GEMM.
+    assert "| 8 | 300.0 / 150.0 (2.00x) | 445.0 | 120.0 / 60.0 | 30.0% / 7.5% | 15.0% / 3.8% " \
+           "| fp32: 30.0% |" in text
+    assert "| 32 | 600.0 / 160.0 (3.75x) | 445.0 | 240.0 / 64.0 | 60.0% / 15.0% |" in text
+    assert text.endswith("| bf16: 15.0% |")
+    assert dtype_in_use("fp32", 64) == "fp32" and dtype_in_use("amx-bf16x3", 9) == "bf16"
+
+
 def test_quantized_cpu_info_and_binary_lookup(tmp_path: Path) -> None:
     from bench.quantized import cpu_info, find_binary
 
