@@ -558,7 +558,8 @@ def compute_table(report: dict) -> str:
     ceil = (f"fp32 {fp32:.0f} / bf16 {bf16:.0f} GFLOP/s" if fp32 and bf16 else "not measured")
     rows = [f"| streams | output tok/s, ours / llama.cpp | MFLOP per output token | GFLOP/s, "
             f"ours / llama.cpp | ours: % of fp32 / bf16 GEMM ({ceil}) | llama.cpp: % of fp32 / "
-            f"bf16 | ceiling that applies to ours ({path}) |", "|---|---|---|---|---|---|---|"]
+            f"bf16 | ceiling that applies to ours ({path}) | target (issue 16) |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in report.get("aioengine", {}).get("server", {}).get("streams", []):
         c, t, comp = r["concurrency"], by_c.get(r["concurrency"]), r.get("compute", {})
         theirs = t["output_throughput"] if t else float("nan")
@@ -569,7 +570,8 @@ def compute_table(report: dict) -> str:
         rows.append(f"| {c} | {r['output_throughput']:.1f} / {fmt(theirs)}{ratio} | "
                     f"{comp.get('mflop_per_output_token', float('nan')):.1f} | "
                     f"{comp.get('gflops', float('nan')):.1f} / {fmt(t_gf)} | {pct(r)} | "
-                    f"{pct(t)} | {d}: {f'{100 * applies:.1f}%' if applies else 'n/a'} |")
+                    f"{pct(t)} | {d}: {f'{100 * applies:.1f}%' if applies else 'n/a'} | "
+                    f"{'>= 2x llama.cpp, >= 50% of the ceiling that applies' if c == 32 else ''} |")
     return "\n".join(rows)
 
 
