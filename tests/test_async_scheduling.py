@@ -170,3 +170,26 @@ def test_requests_that_need_their_token_first_run_synchronously(llm):
     ours = run(llm, True, ["Tell me a joke."], [params])
     assert [c.token_ids for c in ours[0].outputs] == [c.token_ids for c in ref[0].outputs]
     assert blocks_all_free(llm)
+
+
+def test_a_preempted_seeded_sampled_request_keeps_its_draws(monkeypatch):
+    """Regression: a seeded sampled request preempted while its launched step
+    computed lost that step's token, but its generator had drawn for it, so
+    every later token differed from the synchronous engine's. Seeded streams
+    must not depend on the scheduling."""
+    tight = LLM(executor="inproc", num_gpu_blocks_override=10, block_size=8, max_num_seqs=8)
+    try:
+        params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=16,
+                                 ignore_eos=True) for i in range(5)]
+        ref = run(tight, False, PROMPTS[:5], params)
+        scheduler = tight.engine.core.scheduler
+        kept = []  # tokens of preempted requests that arrived from a launched step
+        take = scheduler._take_preempted_placeholder
+        monkeypatch.setattr(scheduler, "_take_preempted_placeholder",
+                            lambda r: kept.append(r.request_id) or take(r))
+        ours = run(tight, True, PROMPTS[:5], params)
+        assert kept  # the case this test is about happened
+        assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in ref]
+        assert blocks_all_free(tight)
+    finally:
+        tight.shutdown()

@@ -360,6 +360,10 @@ class EngineCore:
         steps are in flight and there is work; the step to submit, or None."""
         if len(self._in_flight) >= 2 or not self.can_overlap():
             return None
+        if self._in_flight and self.scheduler.has_preempted_placeholders():
+            # A preempted request's token is still in flight: were it resumed
+            # now, it would be sampled again at that position.
+            return None
         if not self.scheduler.has_unfinished_requests():
             return None
         scheduler_output = self.schedule()
