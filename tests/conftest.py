@@ -180,6 +180,20 @@ def stop_server(info: ServerInfo) -> None:
             info.process.wait()
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module's tests, the count restored after them. For small
+    models' steps on a shared machine: more threads only add OpenMP barriers that wait
+    whenever another thread is descheduled. A module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's tokenizer saved as HF files, for random-weight test models."""

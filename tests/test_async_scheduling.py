@@ -12,10 +12,11 @@ request that stopped at step N still computes in the launched step N+1).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from aioengine import LLM, SamplingParams
 from tests.parity import NEAR_TIE, top2_gap
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [
     "Count from 1 to 30:",
@@ -56,16 +57,6 @@ def assert_same_greedy(ours, ref) -> None:
 def blocks_all_free(llm: LLM) -> bool:
     kv = llm.engine.kv_cache_manager
     return kv.block_pool.num_used_blocks == 0 and not kv.req_to_blocks
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small batches of a 135M model: one thread is faster than two on a busy
-    # machine (no OpenMP barriers), and restored for the tests after these.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
