@@ -69,9 +69,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false", help="turn automatic prefix caching off")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", help="turn chunked prefill off")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", nargs="?", const="on", default="auto",
+                   choices=["auto", "on", "off"],
                    help="schedule the next step while the worker runs this one (vLLM's flag; "
-                        "off by default: docs/troubleshooting.md says why)")
+                        "alone: on). auto (the default) turns it on only when this host has "
+                        "a CPU to spare beyond the workers' torch threads (e.g. --num-threads "
+                        "below the CPUs this process may use), since on a CPU whose cores all "
+                        "compute the step the engine's work slows it; env "
+                        "AIOENGINE_ASYNC_SCHEDULING=0/1 decides auto instead. The log says "
+                        "which was chosen (docs/troubleshooting.md)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const",
+                   const="off", help="same as --async-scheduling off")
     g.add_argument("--executor", default="process", choices=["process", "inproc"],
                    help="run the model in a worker subprocess or in this process "
                         "(default: %(default)s)")
@@ -114,7 +122,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_waiting_requests": args.max_waiting_requests,
         "enable_chunked_prefill": args.enable_chunked_prefill,
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": {"on": True, "off": False}.get(args.async_scheduling),
         # generate runs in this process unless the model is split over workers.
         "executor": args.executor or ("process" if args.tensor_parallel_size > 1
                                       or args.data_parallel_size > 1 else "inproc"),
