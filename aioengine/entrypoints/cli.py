@@ -140,16 +140,28 @@ def _node_kwargs(args: argparse.Namespace) -> dict[str, object]:
     and friends, else torchrun's variables when it started this process."""
     if not hasattr(args, "nnodes"):
         return {}
-    out: dict[str, object] = {"distributed_timeout_s": args.dist_timeout,
-                              "node_addr": args.node_addr}
+    out: dict[str, object] = {}
+    if args.dist_timeout is not None:
+        out["distributed_timeout_s"] = args.dist_timeout
+    if args.node_addr is not None:
+        out["node_addr"] = args.node_addr
     if args.nnodes is None:
         from aioengine.distributed.layout import TORCHRUN_PORT_OFFSET, torchrun_env
 
         if args.node_rank is not None or args.master_addr is not None:
             raise ValueError("--node-rank and --master-addr need --nnodes (under torchrun "
                              "they come from RANK and MASTER_ADDR: leave them out)")
+        if args.master_port is not None:
+            raise ValueError("--master-port needs --nnodes (under torchrun it comes from "
+                             "MASTER_PORT: leave it out)")
         env = torchrun_env()
         if env is None:
+            given = [flag for flag, value in (("--node-addr", args.node_addr),
+                                              ("--dist-timeout", args.dist_timeout))
+                     if value is not None]
+            if given:  # they would be ignored: one host has no group to bind or time out
+                raise ValueError(f"{' and '.join(given)} need{'s' * (len(given) == 1)} "
+                                 "--nnodes (or torchrun's variables)")
             return out
         out.update(nnodes=env.world_size, node_rank=env.rank, master_addr=env.master_addr,
                    master_port=env.master_port + TORCHRUN_PORT_OFFSET)
@@ -158,7 +170,8 @@ def _node_kwargs(args: argparse.Namespace) -> dict[str, object]:
             out["num_threads"] = max(1, (os.cpu_count() or 1) // (env.local_world_size * ranks))
         return out
     out.update(nnodes=args.nnodes, node_rank=args.node_rank or 0,
-               master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port)
+               master_addr=args.master_addr or "127.0.0.1",
+               master_port=29500 if args.master_port is None else args.master_port)
     return out
 
 
@@ -176,16 +189,17 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                    help="this node, 0 .. nnodes - 1 (default: 0)")
     g.add_argument("--master-addr", default=None,
                    help="node 0's address as the others reach it (default: 127.0.0.1)")
-    g.add_argument("--master-port", type=int, default=29500,
-                   help="port of the group's rendezvous on node 0 (default: %(default)s)")
-    g.add_argument("--node-addr", default="",
+    g.add_argument("--master-port", type=int, default=None,
+                   help="port of the group's rendezvous on node 0 (default: 29500)")
+    g.add_argument("--node-addr", default=None,
                    help="this node's address as the others reach it, which its ranks' gloo "
                         "sockets bind (default: GLOO_SOCKET_IFNAME's address if set, else "
                         "the route to --master-addr)")
-    g.add_argument("--dist-timeout", type=float, default=4.0, metavar="SECONDS",
+    g.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a collective waits for a peer before the group is "
                         "rebuilt: how soon a silently dropped host is noticed "
-                        "(default: %(default)s)")
+                        "(default: 4). These flags need --nnodes (or torchrun); alone "
+                        "they are refused")
 
 
 def _engine_config(args: argparse.Namespace):
