@@ -233,8 +233,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     add_node_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 for every interface "
+                        "(default: %(default)s, this machine only)")
+    g.add_argument("--port", type=int, default=8000,
+                   help="TCP port of the HTTP and WebSocket API (default: %(default)s)")
     g.add_argument("--api-key", default=os.environ.get("AIOENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env AIOENGINE_API_KEY)")
     g.add_argument("--api-keys-file", default=None, metavar="PATH",
@@ -276,7 +279,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="on SIGTERM/SIGINT, how long requests in flight may finish before "
                         "they are aborted (default: %(default)s)")
     g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's, the engine's and the workers' logging threshold; "
+                        "debug adds tracebacks (default: %(default)s)")
     g.add_argument("--tool-call-parser", default="auto",
                    choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the model's tool-call format (default: from its chat template)")
@@ -444,10 +449,15 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", help="the prompt ('-' reads stdin)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="most tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this total "
+                        "probability; 1 keeps all (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="keep only the k most likely tokens; 0 keeps all (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(p)
     p.set_defaults(func=run_generate, executor=None)
