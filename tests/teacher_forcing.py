@@ -60,6 +60,15 @@ def teacher_forced(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
     return [torch.stack(r) for r in rows]
 
 
+def default_llm():
+    """The default model in this process, one torch thread (the caller sets it, e.g.
+    conftest's ``one_thread``): ~1,500 steps of 1-16 rows, and on a shared 2-core
+    machine a 2-thread step waits whenever the other thread is descheduled."""
+    from aioengine import LLM
+
+    return LLM(executor="inproc", max_num_seqs=16, num_threads=1)
+
+
 def greedy_sequences(llm, max_tokens: int = 64) -> tuple[list[list[int]], list[list[int]]]:
     """``(prompt_ids, prompt + greedy continuation)`` of each of ``PROMPTS``."""
     from aioengine import SamplingParams

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from teacher_forcing import TEXT, agreement, greedy_sequences, teacher_forced
+from teacher_forcing import TEXT, agreement, default_llm, greedy_sequences, teacher_forced
 from triton_kernels import cpu_ops, quant_reference
 from triton_kernels.quant import QT, QuantizedWeight
 
@@ -94,15 +94,8 @@ def test_the_rounding_twin_is_llama_cpp_q8_0():
 # -- the default model, one sequence at a time -------------------------------------------
 
 @pytest.fixture(scope="module")
-def model():
-    from aioengine import LLM
-
-    # One thread: ~1,500 single-row steps, and on a shared 2-core machine a 2-thread step
-    # waits whenever the other thread is descheduled.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(executor="inproc", max_num_seqs=16, num_threads=1)
-    torch.set_num_threads(threads)
+def model(one_thread):
+    return default_llm()
 
 
 def forced_all(llm, seqs: list[list[int]]) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from teacher_forcing import TEXT, agreement, greedy_sequences, teacher_forced
+from teacher_forcing import TEXT, agreement, default_llm, greedy_sequences, teacher_forced
 from test_quant_cpu import FORMATS, QT, block_cols, random_weight
 from triton_kernels import cpu_ops, quant_reference
 
@@ -70,13 +70,8 @@ def test_bf16_gemm_equals_f_linear_within_bf16_rounding(qtype):
 # -- the default model, 16 sequences side by side ------------------------------------------
 
 @pytest.fixture(scope="module")
-def model():
-    from aioengine import LLM
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(executor="inproc", max_num_seqs=16, num_threads=1)
-    torch.set_num_threads(threads)
+def model(one_thread):
+    return default_llm()
 
 
 def test_bf16_gemm_agreement_and_perplexity_against_the_fp32_path(model):
