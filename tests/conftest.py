@@ -45,7 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("AIOENGINE_AMX", "0")
 UNIT_MODULES = frozenset({
     "test_block_pool.py", "test_block_pool_property.py", "test_import_boundaries.py",
-    "test_kv_fork_cow.py",
+    "test_kv_fork_cow.py", "test_cli_help.py",
     "test_sampler.py", "test_scheduler.py", "test_shm_ring.py", "test_tool_parsers.py",
     "test_unit_engine.py", "test_unit_http.py", "test_unit_router.py",
 })
@@ -178,6 +178,20 @@ def stop_server(info: ServerInfo) -> None:
         except subprocess.TimeoutExpired:
             info.process.kill()
             info.process.wait()
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module's tests, the count restored after them. For small
+    models' steps on a shared machine: more threads only add OpenMP barriers that wait
+    whenever another thread is descheduled. A module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,12 @@ request that stopped at step N still computes in the launched step N+1).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from aioengine import LLM, SamplingParams
-from tests.parity import NEAR_TIE, top2_gap
+from aioengine.config import EngineConfig, resolve_async_scheduling
+from tests.parity import NEAR_TIE, assert_greedy_parity, top2_gap
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [
     "Count from 1 to 30:",
@@ -58,19 +60,9 @@ def blocks_all_free(llm: LLM) -> bool:
     return kv.block_pool.num_used_blocks == 0 and not kv.req_to_blocks
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small batches of a 135M model: one thread is faster than two on a busy
-    # machine (no OpenMP barriers), and restored for the tests after these.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(executor="inproc", max_num_seqs=16)
+    engine = LLM(executor="inproc", max_num_seqs=32)
     yield engine
     engine.shutdown()
 
@@ -170,3 +162,97 @@ def test_requests_that_need_their_token_first_run_synchronously(llm):
     ours = run(llm, True, ["Tell me a joke."], [params])
     assert [c.token_ids for c in ours[0].outputs] == [c.token_ids for c in ref[0].outputs]
     assert blocks_all_free(llm)
+
+
+def test_a_preempted_seeded_sampled_request_keeps_its_draws(monkeypatch):
+    """Regression: a seeded sampled request preempted while its launched step
+    computed lost that step's token, but its generator had drawn for it, so
+    every later token differed from the synchronous engine's. Seeded streams
+    must not depend on the scheduling."""
+    tight = LLM(executor="inproc", num_gpu_blocks_override=10, block_size=8, max_num_seqs=8)
+    try:
+        params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=16,
+                                 ignore_eos=True) for i in range(5)]
+        ref = run(tight, False, PROMPTS[:5], params)
+        scheduler = tight.engine.core.scheduler
+        kept = []  # tokens of preempted requests that arrived from a launched step
+        take = scheduler._take_preempted_placeholder
+        monkeypatch.setattr(scheduler, "_take_preempted_placeholder",
+                            lambda r: kept.append(r.request_id) or take(r))
+        ours = run(tight, True, PROMPTS[:5], params)
+        assert kept  # the case this test is about happened
+        assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in ref]
+        assert blocks_all_free(tight)
+    finally:
+        tight.shutdown()
+
+
+def test_greedy_batch_invariance_and_seeds_hold_with_async_scheduling_on(llm):
+    """tests/test_api_streaming.py's batch-invariance and seed checks, async on:
+    prompt 0 alone, the first 8 together, 32 together (greedy, near-tie rule);
+    a seeded sampled request alone and in the batch of 32 gives the same tokens."""
+    prompts = [f"Here is a short fact about {s}:" for s in (
+        "the sea", "a mountain", "bread", "a violin", "winter", "a library", "the sun",
+        "a bicycle", "coffee", "a forest", "trains", "the moon", "rain", "a castle", "chess",
+        "honey", "a river", "snow", "a garden", "the desert", "clocks", "a lighthouse", "tea",
+        "a volcano", "owls", "a bridge", "glass", "the wind", "paper", "a harbour", "salt")]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12,
+                            ignore_eos=True)
+    seeded_prompt = "Invent a name for a new colour."
+
+    def top2(c):
+        return [sorted(lp.values(), reverse=True)[:2] for lp in c.logprobs]
+
+    alone = run(llm, True, prompts[:1], [greedy])[0].outputs[0]
+    seeded_alone = run(llm, True, [seeded_prompt], [seeded])[0].outputs[0]
+    eight = [o.outputs[0] for o in run(llm, True, prompts[:8], [greedy] * 8)]
+    before = llm.stats().max_reqs_in_step
+    out = run(llm, True, prompts + [seeded_prompt], [greedy] * len(prompts) + [seeded])
+    assert llm.stats().max_reqs_in_step == 32 >= before
+    thirty_two = [o.outputs[0] for o in out[:-1]]
+    assert out[-1].outputs[0].token_ids == seeded_alone.token_ids
+    for name, c in (("batch 8", eight[0]), ("batch 32", thirty_two[0])):
+        assert_greedy_parity(f"prompt 0, batch 1 vs {name}", c.token_ids, alone.token_ids,
+                             top2(c), top2(alone))
+    for i in range(8):
+        assert_greedy_parity(f"prompt {i}, batch 8 vs 32", thirty_two[i].token_ids,
+                             eight[i].token_ids, top2(thirty_two[i]), top2(eight[i]))
+    assert blocks_all_free(llm)
+
+
+def test_auto_turns_async_scheduling_on_only_with_a_cpu_to_spare(monkeypatch):
+    """``async_scheduling=None`` (auto): on when the CPUs this process may use
+    outnumber the workers' torch threads; off in process; an explicit value and
+    AIOENGINE_ASYNC_SCHEDULING win."""
+    monkeypatch.delenv("AIOENGINE_ASYNC_SCHEDULING", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
+
+    def on(**kw) -> bool:
+        kw.setdefault("executor", "process")
+        return resolve_async_scheduling(EngineConfig.from_kwargs(**kw))[0]
+
+    assert not on()  # the worker's default threads take all 4 CPUs
+    assert on(num_threads=3)
+    assert not on(num_threads=4)
+    assert not on(num_threads=2, data_parallel_size=2)  # 2 workers x 2 threads
+    assert on(num_threads=1, data_parallel_size=2)
+    assert not on(num_threads=1, executor="inproc")  # no overlap in one process
+    assert on(async_scheduling=True) and not on(async_scheduling=False, num_threads=1)
+    monkeypatch.setenv("AIOENGINE_ASYNC_SCHEDULING", "1")
+    assert on() and on(executor="inproc") and not on(async_scheduling=False)
+    monkeypatch.setenv("AIOENGINE_ASYNC_SCHEDULING", "0")
+    assert not on(num_threads=1) and on(async_scheduling=True)
+
+
+def test_cli_async_scheduling_flag():
+    import argparse
+
+    from aioengine.entrypoints.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    chosen = {flags: engine_kwargs(parser.parse_args(flags))["async_scheduling"]
+              for flags in ((), ("--async-scheduling",), ("--async-scheduling", "auto"),
+                            ("--async-scheduling", "off"), ("--no-async-scheduling",))}
+    assert list(chosen.values()) == [None, True, None, False, False]

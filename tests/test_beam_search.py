@@ -17,17 +17,10 @@ from beam_parity import assert_beam_parity, hf_beam_search
 from aioengine.engine.beam_search import BeamSearchParams, BeamSearchState
 from aioengine.sampling_params import SamplingParamError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 EOS = 3
 VOCAB = 96
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: more threads only contend with the rest of a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,33 @@ def llm():
     engine.shutdown()
 
 
-def test_greedy_tokens_match_hf_generate(llm):
+_HF_REFERENCE: dict[tuple[int, ...], tuple[list[int], list[list[float]]]] = {}
+
+
+def hf_reference(ids: list[int]) -> tuple[list[int], list[list[float]]]:
+    """``hf_greedy`` on the oracle, once per prompt (both scheduling modes use it)."""
+    if tuple(ids) not in _HF_REFERENCE:
+        _HF_REFERENCE[tuple(ids)] = hf_greedy(hf_model(), ids, NEW_TOKENS)
+    return _HF_REFERENCE[tuple(ids)]
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async_scheduling"])
+def scheduling(request, llm):
+    """Both step modes on the same engine: synchronous, and async scheduling
+    (the next step launched before this one's output; issue 16's "greedy
+    output unchanged")."""
+    core = llm.engine.core
+    before = core.async_scheduling
+    core.async_scheduling = request.param
+    launched = []
+    launch = core.scheduler.launch
+    core.scheduler.launch = lambda output: launched.append(1) or launch(output)
+    yield launched
+    del core.scheduler.launch
+    core.async_scheduling = before
+
+
+def test_greedy_tokens_match_hf_generate(llm, scheduling):
     tok = llm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}],
                                        add_generation_prompt=True, tokenize=False)
@@ -49,13 +75,14 @@ def test_greedy_tokens_match_hf_generate(llm):
     assert llm.model_info.quantization == "gguf"
     assert llm.executor.weight_bytes < 100e6, llm.executor.weight_bytes
 
-    model = hf_model()
+    assert bool(scheduling) == llm.engine.core.async_scheduling  # steps launched ahead or not
+
     ties = []
     for name, ids, out in zip(CHAT_PROMPTS + RAW_PROMPTS, prompt_ids, outputs):
         completion = out.outputs[0]
         assert len(completion.token_ids) == NEW_TOKENS
         ours_top2 = [sorted(lp.values(), reverse=True)[:2] for lp in completion.logprobs]
-        ref_tokens, ref_top2 = hf_greedy(model, ids, NEW_TOKENS)
+        ref_tokens, ref_top2 = hf_reference(ids)
         ties.append(assert_greedy_parity(name, completion.token_ids, ref_tokens,
                                          ours_top2, ref_top2))
     # A rule that waved everything through would be useless: most prompts must

@@ -35,6 +35,8 @@ from aioengine.models import registry
 from aioengine.models.loader import load_tokenizer
 from triton_kernels import cpu_ops
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NEW_TOKENS = 24
 LOGPROB_TOKENS, LOGPROB_TOL = 8, 1e-4
 SHARED = ("In the beginning the engineers wrote a small engine that served many models "
@@ -55,14 +57,6 @@ NO_GGUF = {"mistral": "a Mistral GGUF carries no sliding window"}
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("families")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @lru_cache(maxsize=1)

@@ -215,6 +215,12 @@ def test_flags_and_torchrun_variables_map_onto_the_node_layout(monkeypatch):
             ["serve", "-tp", "3", "--nnodes", "2"])))
     with pytest.raises(ValueError, match="--node-rank and --master-addr need --nnodes"):
         engine_kwargs(parser.parse_args(["serve", "-tp", "2", "--node-rank", "1"]))
+    # Without --nnodes these would be ignored: refused in one line instead.
+    for flags, message in ((["--master-port", "1234"], "--master-port needs --nnodes"),
+                           (["--node-addr", "10.0.0.2"], "--node-addr needs --nnodes"),
+                           (["--dist-timeout", "7"], "--dist-timeout needs --nnodes")):
+        with pytest.raises(ValueError, match=message):
+            engine_kwargs(parser.parse_args(["serve", "-tp", "2", *flags]))
     for timeout in ("nan", "inf"):  # a NaN or endless timeout never notices a dropped host
         with pytest.raises(ValueError, match="distributed_timeout_s must be positive and finite"):
             EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(
@@ -229,8 +235,12 @@ def test_flags_and_torchrun_variables_map_onto_the_node_layout(monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert torchrun_env() is not None
-    p = EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(["serve", "-tp", "2"]))).parallel
+    p = EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(
+        ["serve", "-tp", "2", "--dist-timeout", "7"]))).parallel
     assert (p.nnodes, p.node_rank, p.master_addr, p.master_port) == (2, 1, "10.0.0.1", 29501)
+    assert p.distributed_timeout_s == 7.0  # kept under torchrun
+    with pytest.raises(ValueError, match="it comes from MASTER_PORT"):
+        engine_kwargs(parser.parse_args(["serve", "-tp", "2", "--master-port", "1234"]))
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert torchrun_env() is None
 

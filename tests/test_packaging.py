@@ -20,16 +20,29 @@ IGNORE = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", "b
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
+def wheel_build(tmp_path_factory) -> tuple[zipfile.ZipFile, str]:
+    """The wheel, and the build's output (``pip -v``: setuptools' own warnings)."""
     # Built from a copy: setuptools writes build/ and *.egg-info next to pyproject.toml.
     src = tmp_path_factory.mktemp("src") / "aioengine"
     shutil.copytree(REPO_ROOT, src, ignore=IGNORE)
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", str(src), "-w", str(out)], check=True, capture_output=True,
-                   timeout=300)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--no-build-isolation", "-v", str(src), "-w", str(out)],
+                           check=True, capture_output=True, text=True, timeout=300)
     (path,) = out.glob("aioengine-*.whl")
-    return zipfile.ZipFile(path)
+    return zipfile.ZipFile(path), build.stdout + build.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(wheel_build) -> zipfile.ZipFile:
+    return wheel_build[0]
+
+
+def test_the_build_warns_about_no_package(wheel_build):
+    """setuptools once printed ~40 lines of "Package 'aioengine.web.vendor' is absent
+    from the `packages` configuration" (web/vendor/ given as data of aioengine.web)."""
+    log = wheel_build[1]
+    assert "BuildBackendWarning" not in log and "is absent from the" not in log, log[-3000:]
 
 
 def test_the_wheel_holds_every_package(wheel):

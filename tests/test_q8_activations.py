@@ -15,12 +15,11 @@ activations").
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from teacher_forcing import TEXT, agreement, default_llm, greedy_sequences, teacher_forced
 from triton_kernels import cpu_ops, quant_reference
 from triton_kernels.quant import QT, QuantizedWeight
 
@@ -94,77 +93,22 @@ def test_the_rounding_twin_is_llama_cpp_q8_0():
 
 # -- the default model, one sequence at a time -------------------------------------------
 
-TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
-        "Gutenberg combined movable metal type, oil-based ink and a wooden screw press. "
-        "Within a few decades printing shops had spread to more than two hundred cities "
-        "across Europe, and the cost of books fell so far that reading, once the privilege "
-        "of monks and nobles, became common among merchants and craftsmen. Scholars could "
-        "now compare identical copies of a text, which changed how knowledge was checked, "
-        "argued over and passed on.")
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
-           "The three primary colors are", "Water boils at", "In 1969, the first",
-           "A good way to learn a language is", "The largest planet in our solar system",
-           "To make a cup of tea,", "Photosynthesis is the process", "import numpy as np\n",
-           "The quick brown fox", "Dear hiring manager,", "Rain forms when",
-           "The sum of two and two is", "My favourite book is"]
-
-
 @pytest.fixture(scope="module")
-def model():
-    from aioengine import LLM
-
-    # One thread: ~1,500 single-row steps, and on a shared 2-core machine a 2-thread step
-    # waits whenever the other thread is descheduled.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(executor="inproc", max_num_seqs=16, num_threads=1)
-    torch.set_num_threads(threads)
-
-
-def teacher_forced(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Per sequence, the log-softmax ``[len - 1, vocab]`` of each next token, running the
-    sequences (at most 2: the rows the Q4 int8 GEMV takes) side by side one token a step
-    through the decode path, each in its own blocks of the runner's cache."""
-    from aioengine.models.llama import AttentionMetadata
-
-    assert len(seqs) <= 2
-    runner = llm.executor.runner
-    bs = runner.block_size
-    per_seq = -(-max(map(len, seqs)) // bs)
-    tables = torch.arange(len(seqs) * per_seq, dtype=torch.int32).view(len(seqs), per_seq)
-    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
-    with torch.inference_mode():
-        for t in range(max(map(len, seqs)) - 1):
-            live = [i for i, s in enumerate(seqs) if t < len(s) - 1]
-            attn = AttentionMetadata(
-                slot_mapping=torch.tensor([int(tables[i, t // bs]) * bs + t % bs for i in live]),
-                block_tables=tables[live, :t // bs + 1].contiguous(),
-                cu_seqlens_q=torch.arange(len(live) + 1, dtype=torch.int32),
-                seq_lens=torch.full((len(live),), t + 1, dtype=torch.int32), max_seqlen_q=1,
-                max_seqlen_k=t + 1)
-            hidden = runner.model.forward(torch.tensor([seqs[i][t] for i in live]),
-                                          torch.full((len(live),), t), runner.kv_cache, attn)
-            logp = runner.model.compute_logits(hidden).log_softmax(-1)
-            for j, i in enumerate(live):
-                rows[i].append(logp[j])
-    return [torch.stack(r) for r in rows]
+def model(one_thread):
+    return default_llm()
 
 
 def forced_all(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """``teacher_forced`` two sequences at a time: the rows the Q4 int8 GEMV takes."""
     return [lp for k in range(0, len(seqs), 2) for lp in teacher_forced(llm, seqs[k:k + 2])]
 
 
 def test_greedy_agreement_and_perplexity_within_one_percent_of_fp32(model):
-    from aioengine import SamplingParams
-
     tok = model.tokenizer
+    text = tok.encode(TEXT, add_special_tokens=False)
     cpu_ops.set_q8_activations(False)
     try:
-        prompt_ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-        outs = model.generate(prompt_ids, params, use_tqdm=False)
-        seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompt_ids, outs)]
-        text = tok.encode(TEXT, add_special_tokens=False)
+        prompt_ids, seqs = greedy_sequences(model)
         ref = forced_all(model, seqs)
         (ref_text,) = teacher_forced(model, [text])
     finally:
@@ -172,19 +116,10 @@ def test_greedy_agreement_and_perplexity_within_one_percent_of_fp32(model):
     ours = forced_all(model, seqs)
     (ours_text,) = teacher_forced(model, [text])
 
-    agree = total = 0
-    for s, p, r, o in zip(seqs, prompt_ids, ref, ours):
-        gen = slice(len(p) - 1, len(s) - 1)  # the 64 positions that predict generated tokens
-        assert torch.equal(r[gen].argmax(-1), torch.tensor(s[len(p):])), "reference replay"
-        agree += int((o[gen].argmax(-1) == r[gen].argmax(-1)).sum())
-        total += gen.stop - gen.start
-    assert total == 16 * 64
-    target = torch.tensor(text[1:])
-    ppl_ref = math.exp(-ref_text.gather(1, target[:, None]).mean().item())
-    ppl_q8 = math.exp(-ours_text.gather(1, target[:, None]).mean().item())
-    print(f"int8 activations: {agree}/{total} next tokens agree with fp32 activations; "
-          f"perplexity {ppl_q8:.4f} vs {ppl_ref:.4f} on {len(text)} tokens")
-    assert agree >= 0.97 * total
-    assert abs(ppl_q8 / ppl_ref - 1) <= 0.01
+    a = agreement(prompt_ids, seqs, ref, ours, text, ref_text, ours_text)
+    print(a.report("int8 activations against fp32 activations", len(text)))
+    assert a.total == 16 * 64
+    assert a.agree >= 0.97 * a.total
+    assert abs(a.ppl_ours / a.ppl_ref - 1) <= 0.01
     # ... and the int8 path did run: the log-probabilities moved
     assert not torch.allclose(ours_text, ref_text, atol=1e-5)

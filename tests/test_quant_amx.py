@@ -18,13 +18,11 @@ test_quant_cpu.py everywhere they run).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from test_q8_activations import PROMPTS, TEXT
+from teacher_forcing import TEXT, agreement, default_llm, greedy_sequences, teacher_forced
 from test_quant_cpu import FORMATS, QT, block_cols, random_weight
 from triton_kernels import cpu_ops, quant_reference
 
@@ -72,54 +70,15 @@ def test_bf16_gemm_equals_f_linear_within_bf16_rounding(qtype):
 # -- the default model, 16 sequences side by side ------------------------------------------
 
 @pytest.fixture(scope="module")
-def model():
-    from aioengine import LLM
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(executor="inproc", max_num_seqs=16, num_threads=1)
-    torch.set_num_threads(threads)
-
-
-def teacher_forced(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Per sequence, the log-softmax ``[len - 1, vocab]`` of each next token, running all
-    the sequences side by side, one token each a step, through the decode path (its GEMM
-    has as many rows as sequences still running), each in its own cache blocks."""
-    from aioengine.models.llama import AttentionMetadata
-
-    runner = llm.executor.runner
-    bs = runner.block_size
-    per_seq = -(-max(map(len, seqs)) // bs)
-    tables = torch.arange(len(seqs) * per_seq, dtype=torch.int32).view(len(seqs), per_seq)
-    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
-    with torch.inference_mode():
-        for t in range(max(map(len, seqs)) - 1):
-            live = [i for i, s in enumerate(seqs) if t < len(s) - 1]
-            attn = AttentionMetadata(
-                slot_mapping=torch.tensor([int(tables[i, t // bs]) * bs + t % bs for i in live]),
-                block_tables=tables[live, :t // bs + 1].contiguous(),
-                cu_seqlens_q=torch.arange(len(live) + 1, dtype=torch.int32),
-                seq_lens=torch.full((len(live),), t + 1, dtype=torch.int32), max_seqlen_q=1,
-                max_seqlen_k=t + 1)
-            hidden = runner.model.forward(torch.tensor([seqs[i][t] for i in live]),
-                                          torch.full((len(live),), t), runner.kv_cache, attn)
-            logp = runner.model.compute_logits(hidden).log_softmax(-1)
-            for j, i in enumerate(live):
-                rows[i].append(logp[j])
-    return [torch.stack(r) for r in rows]
+def model(one_thread):
+    return default_llm()
 
 
 def test_bf16_gemm_agreement_and_perplexity_against_the_fp32_path(model):
-    from aioengine import SamplingParams
-
-    tok = model.tokenizer
-    prompt_ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    text = tok.encode(TEXT, add_special_tokens=False)
+    text = model.tokenizer.encode(TEXT, add_special_tokens=False)
     cpu_ops.set_amx(False)  # the exact fp32 path (AVX-512)
     try:
-        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-        outs = model.generate(prompt_ids, params, use_tqdm=False)
-        seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompt_ids, outs)]
+        prompt_ids, seqs = greedy_sequences(model)
         ref = teacher_forced(model, seqs)
         ref_text = teacher_forced(model, [text] * 9)[0]  # 9 rows: the GEMM, not the GEMV
     finally:
@@ -127,18 +86,9 @@ def test_bf16_gemm_agreement_and_perplexity_against_the_fp32_path(model):
     ours = teacher_forced(model, seqs)
     ours_text = teacher_forced(model, [text] * 9)[0]
 
-    agree = total = 0
-    for s, p, r, o in zip(seqs, prompt_ids, ref, ours):
-        gen = slice(len(p) - 1, len(s) - 1)  # the 64 positions that predict generated tokens
-        assert torch.equal(r[gen].argmax(-1), torch.tensor(s[len(p):])), "reference replay"
-        agree += int((o[gen].argmax(-1) == r[gen].argmax(-1)).sum())
-        total += gen.stop - gen.start
-    assert total == 16 * 64
-    target = torch.tensor(text[1:])
-    ppl_ref = math.exp(-ref_text.gather(1, target[:, None]).mean().item())
-    ppl_bf16 = math.exp(-ours_text.gather(1, target[:, None]).mean().item())
-    print(f"bf16 GEMM: {agree}/{total} next tokens agree with the fp32 path; "
-          f"perplexity {ppl_bf16:.4f} vs {ppl_ref:.4f} on {len(text)} tokens")
-    assert agree >= 0.99 * total
-    assert abs(ppl_bf16 / ppl_ref - 1) <= 0.01
+    a = agreement(prompt_ids, seqs, ref, ours, text, ref_text, ours_text)
+    print(a.report("bf16 GEMM against the fp32 path", len(text)))
+    assert a.total == 16 * 64
+    assert a.agree >= 0.99 * a.total
+    assert abs(a.ppl_ours / a.ppl_ref - 1) <= 0.01
     assert not torch.allclose(ours_text, ref_text, atol=1e-5)  # the bf16 path did run

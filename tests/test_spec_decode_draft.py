@@ -34,6 +34,8 @@ from parity import NEAR_TIE, top2_gap
 
 from aioengine import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAMILY = FAMILIES["qwen2"]
 ENGINE = dict(
     executor="inproc",
@@ -51,14 +53,6 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @lru_cache(maxsize=1)

@@ -94,7 +94,8 @@ class Scheduler:
     each request that samples in it holds one placeholder token until its output
     arrives (``num_placeholders``), so the next step can be scheduled before
     that; a request that ends while a launched step still computes for it keeps
-    its blocks until the last such step's output is applied.
+    its blocks until the last such step's output is applied; one preempted while
+    a launched step samples for it still gets that token (its generator drew it).
 
     Args:
         config: limits.
@@ -129,6 +130,9 @@ class Scheduler:
         # applied, per request id; requests whose blocks wait for those steps.
         self._placeholders: dict[str, int] = {}
         self._num_in_flight: dict[str, int] = {}
+        # Placeholders of requests preempted while their launched step sampled: that
+        # token is still appended when it arrives (its generator drew for it).
+        self._preempted_placeholders: dict[str, int] = {}
         self._deferred_free: list[Request] = []
         self.spec = (
             SpecDecodeScheduler(speculative_config, max_model_len)
@@ -200,6 +204,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self._placeholders.pop(request.request_id, None)
+        self._preempted_placeholders.pop(request.request_id, None)
         if self._num_in_flight.get(request.request_id):
             # A launched step still writes its K/V: the blocks go when it is done.
             self._deferred_free.append(request)
@@ -417,9 +422,14 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
-        if self._placeholders.pop(victim.request_id, 0):
-            # Its launched token is dropped, but the worker appended it to its
-            # copy of the sequence: on resume it gets the engine's tokens.
+        num_ahead = self._placeholders.pop(victim.request_id, 0)
+        if num_ahead:
+            # Its launched step still samples a token, and the request's generator
+            # draws for it: the token is appended when it arrives (before the
+            # next schedule(), see EngineCore._launch_next), as the synchronous
+            # engine would have, so a seeded stream does not depend on when the
+            # request was preempted. On resume the worker gets the engine's tokens.
+            self._preempted_placeholders[victim.request_id] = num_ahead
             victim.engine_chose_tokens = True
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -548,12 +558,17 @@ class Scheduler:
                 self._num_in_flight[rid] = left
             else:
                 self._num_in_flight.pop(rid, None)
+            if request.is_finished:
+                continue
             if (
-                request.is_finished
-                or request.status != RequestStatus.RUNNING
+                request.status != RequestStatus.RUNNING
                 or request.num_preemptions != launched.num_preemptions[k]
             ):
-                continue  # ended or preempted after it was scheduled
+                # Preempted after it was scheduled: only a sampled token is kept.
+                token = runner_output.sampled_token_ids[k]
+                if token >= 0 and self._take_preempted_placeholder(request):
+                    results.append(self._append_launched_token(request, token, logprobs, k))
+                continue
             before = launched.num_computed_before[k]
             self.stats.num_prompt_tokens += max(
                 0, min(before + output.num_scheduled_tokens[k], request.num_prompt_tokens) - before
@@ -567,16 +582,37 @@ class Scheduler:
                 self._placeholders[rid] = left
             else:
                 self._placeholders.pop(rid, None)
-            self.stats.num_generation_tokens += 1
-            request.append_output_token_ids([token])
-            self._check_stop(request, token)
-            results.append((request, token, logprobs[k] if logprobs else None))
+            results.append(self._append_launched_token(request, token, logprobs, k))
         if self._deferred_free:
             done = [r for r in self._deferred_free if not self._num_in_flight.get(r.request_id)]
             self._deferred_free = [r for r in self._deferred_free if r not in done]
             for request in done:
                 self.kv_cache_manager.free(request)
         return results
+
+    def _take_preempted_placeholder(self, request: Request) -> bool:
+        """Whether ``request``, preempted and still waiting, holds a placeholder
+        of a launched step (one less after this)."""
+        rid = request.request_id
+        left = self._preempted_placeholders.get(rid, 0)
+        if left > 1:
+            self._preempted_placeholders[rid] = left - 1
+        else:
+            self._preempted_placeholders.pop(rid, None)
+        return left > 0 and request.status == RequestStatus.PREEMPTED
+
+    def _append_launched_token(
+        self, request: Request, token: int, logprobs: list | None, k: int
+    ) -> tuple[Request, int | None, list[tuple[int, float]] | None]:
+        self.stats.num_generation_tokens += 1
+        request.append_output_token_ids([token])
+        self._check_stop(request, token)
+        return (request, token, logprobs[k] if logprobs else None)
+
+    def has_preempted_placeholders(self) -> bool:
+        """A preempted request still waits for a launched step's token: nothing
+        may be scheduled before that output is applied (async scheduling)."""
+        return bool(self._preempted_placeholders)
 
     def update_from_output(
         self,

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import random
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from aioengine.config import EngineConfig
+from aioengine.config import EngineConfig, resolve_async_scheduling
 from aioengine.core.kv_cache_manager import KVCacheManager
 from aioengine.core.scheduler import LaunchedStep, Scheduler
 from aioengine.engine.beam_search import BeamSearchGroup, BeamSearchParams
@@ -30,6 +31,8 @@ from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, Schedule
 from aioengine.request import Request, RequestStatus
 from aioengine.sampling_params import SamplingParams
 from aioengine.structured.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCore", "EngineCoreOutput", "EngineCoreOutputs", "EngineStats", "RequestRejected"]
 
@@ -160,7 +163,8 @@ class EngineCore:
         self.beam_searches: dict[str, BeamSearchGroup] = {}
         self._beam_of: dict[str, BeamSearchGroup] = {}
         self.sample_forks = SampleForks(self.scheduler)
-        self.async_scheduling = config.scheduler.async_scheduling
+        self.async_scheduling, why = resolve_async_scheduling(config)
+        logger.info("async scheduling %s (%s)", "on" if self.async_scheduling else "off", why)
         # Launched steps whose output is not applied yet, oldest first (at most 2).
         self._in_flight: collections.deque[tuple[SchedulerOutput, LaunchedStep, float]] = (
             collections.deque()
@@ -359,6 +363,10 @@ class EngineCore:
         """Schedule and launch one more step if overlap is allowed, fewer than two
         steps are in flight and there is work; the step to submit, or None."""
         if len(self._in_flight) >= 2 or not self.can_overlap():
+            return None
+        if self._in_flight and self.scheduler.has_preempted_placeholders():
+            # A preempted request's token is still in flight: were it resumed
+            # now, it would be sampled again at that position.
             return None
         if not self.scheduler.has_unfinished_requests():
             return None

@@ -580,8 +580,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("AIOENGINE_API_KEY"),
                    help="API key for the server (env AIOENGINE_API_KEY)")
     p.add_argument("--system", default="", help="system prompt")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling temperature of the answers; 0 is greedy (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="most tokens in one answer (default: %(default)s)")
     p.add_argument("--history-file", default=None, metavar="PATH",
                    help=f"input history kept across runs (default: $XDG_STATE_HOME/aioengine/"
                         f"chat_history or ~/.local/state/aioengine/chat_history; env "

@@ -69,9 +69,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false", help="turn automatic prefix caching off")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", help="turn chunked prefill off")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", nargs="?", const="on", default="auto",
+                   choices=["auto", "on", "off"],
                    help="schedule the next step while the worker runs this one (vLLM's flag; "
-                        "off by default: docs/troubleshooting.md says why)")
+                        "alone: on). auto (the default) turns it on only when this host has "
+                        "a CPU to spare beyond the workers' torch threads (e.g. --num-threads "
+                        "below the CPUs this process may use), since on a CPU whose cores all "
+                        "compute the step the engine's work slows it; env "
+                        "AIOENGINE_ASYNC_SCHEDULING=0/1 decides auto instead. The log says "
+                        "which was chosen (docs/troubleshooting.md)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const",
+                   const="off", help="same as --async-scheduling off")
     g.add_argument("--executor", default="process", choices=["process", "inproc"],
                    help="run the model in a worker subprocess or in this process "
                         "(default: %(default)s)")
@@ -114,7 +122,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_waiting_requests": args.max_waiting_requests,
         "enable_chunked_prefill": args.enable_chunked_prefill,
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": {"on": True, "off": False}.get(args.async_scheduling),
         # generate runs in this process unless the model is split over workers.
         "executor": args.executor or ("process" if args.tensor_parallel_size > 1
                                       or args.data_parallel_size > 1 else "inproc"),
@@ -132,16 +140,28 @@ def _node_kwargs(args: argparse.Namespace) -> dict[str, object]:
     and friends, else torchrun's variables when it started this process."""
     if not hasattr(args, "nnodes"):
         return {}
-    out: dict[str, object] = {"distributed_timeout_s": args.dist_timeout,
-                              "node_addr": args.node_addr}
+    out: dict[str, object] = {}
+    if args.dist_timeout is not None:
+        out["distributed_timeout_s"] = args.dist_timeout
+    if args.node_addr is not None:
+        out["node_addr"] = args.node_addr
     if args.nnodes is None:
         from aioengine.distributed.layout import TORCHRUN_PORT_OFFSET, torchrun_env
 
         if args.node_rank is not None or args.master_addr is not None:
             raise ValueError("--node-rank and --master-addr need --nnodes (under torchrun "
                              "they come from RANK and MASTER_ADDR: leave them out)")
+        if args.master_port is not None:
+            raise ValueError("--master-port needs --nnodes (under torchrun it comes from "
+                             "MASTER_PORT: leave it out)")
         env = torchrun_env()
         if env is None:
+            given = [flag for flag, value in (("--node-addr", args.node_addr),
+                                              ("--dist-timeout", args.dist_timeout))
+                     if value is not None]
+            if given:  # they would be ignored: one host has no group to bind or time out
+                raise ValueError(f"{' and '.join(given)} need{'s' * (len(given) == 1)} "
+                                 "--nnodes (or torchrun's variables)")
             return out
         out.update(nnodes=env.world_size, node_rank=env.rank, master_addr=env.master_addr,
                    master_port=env.master_port + TORCHRUN_PORT_OFFSET)
@@ -150,7 +170,8 @@ def _node_kwargs(args: argparse.Namespace) -> dict[str, object]:
             out["num_threads"] = max(1, (os.cpu_count() or 1) // (env.local_world_size * ranks))
         return out
     out.update(nnodes=args.nnodes, node_rank=args.node_rank or 0,
-               master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port)
+               master_addr=args.master_addr or "127.0.0.1",
+               master_port=29500 if args.master_port is None else args.master_port)
     return out
 
 
@@ -168,16 +189,17 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                    help="this node, 0 .. nnodes - 1 (default: 0)")
     g.add_argument("--master-addr", default=None,
                    help="node 0's address as the others reach it (default: 127.0.0.1)")
-    g.add_argument("--master-port", type=int, default=29500,
-                   help="port of the group's rendezvous on node 0 (default: %(default)s)")
-    g.add_argument("--node-addr", default="",
+    g.add_argument("--master-port", type=int, default=None,
+                   help="port of the group's rendezvous on node 0 (default: 29500)")
+    g.add_argument("--node-addr", default=None,
                    help="this node's address as the others reach it, which its ranks' gloo "
                         "sockets bind (default: GLOO_SOCKET_IFNAME's address if set, else "
                         "the route to --master-addr)")
-    g.add_argument("--dist-timeout", type=float, default=4.0, metavar="SECONDS",
+    g.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a collective waits for a peer before the group is "
                         "rebuilt: how soon a silently dropped host is noticed "
-                        "(default: %(default)s)")
+                        "(default: 4). These flags need --nnodes (or torchrun); alone "
+                        "they are refused")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -211,8 +233,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     add_node_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 for every interface "
+                        "(default: %(default)s, this machine only)")
+    g.add_argument("--port", type=int, default=8000,
+                   help="TCP port of the HTTP and WebSocket API (default: %(default)s)")
     g.add_argument("--api-key", default=os.environ.get("AIOENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env AIOENGINE_API_KEY)")
     g.add_argument("--api-keys-file", default=None, metavar="PATH",
@@ -254,7 +279,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="on SIGTERM/SIGINT, how long requests in flight may finish before "
                         "they are aborted (default: %(default)s)")
     g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's, the engine's and the workers' logging threshold; "
+                        "debug adds tracebacks (default: %(default)s)")
     g.add_argument("--tool-call-parser", default="auto",
                    choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the model's tool-call format (default: from its chat template)")
@@ -422,10 +449,15 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", help="the prompt ('-' reads stdin)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="most tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this total "
+                        "probability; 1 keeps all (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="keep only the k most likely tokens; 0 keeps all (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(p)
     p.set_defaults(func=run_generate, executor=None)
