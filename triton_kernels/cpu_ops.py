@@ -489,6 +489,22 @@ class LlamaDecodeLayers:
                                   scale)
 
 
+def sample_from_logits(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
+                       top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                       uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits[rows]`` by temperature, min-p, top-k, top-p and inverse
+    transform sampling with ``uniforms`` (``csrc/sampling.h``; its torch twin
+    ``reference.sample_from_logits`` has the shapes). The C++ kernel for fp32 CPU logits
+    reads the rows in place: one exp pass and a histogram select per filter, no sort of
+    the vocabulary. Token ids may differ between the two paths where a uniform falls
+    within rounding of a boundary of the cumulative distribution."""
+    ops = _ops_for(logits.dtype)
+    if ops is None or logits.device.type != "cpu" or logits.dim() != 2 or not _unit_stride(logits):
+        return reference.sample_from_logits(logits, rows, temperature, top_k, top_p, min_p,
+                                            uniforms)
+    return ops.sample_from_logits(logits, rows, temperature, top_k, top_p, min_p, uniforms)
+
+
 if __name__ == "__main__":  # python -m triton_kernels.cpu_ops: build now and say so
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = load()

@@ -283,3 +283,55 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
     # Advanced indexing gathers every source before any destination is written.
     kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+
+# -- sampling (torch twin of csrc/sampling.cpp) ----------------------------------------------
+
+
+def sample_from_logits(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
+                       top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                       uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits[rows]``: temperature, the min-p, top-k and top-p
+    (Holtzman et al. 2020, §3.1) filters as thresholds on the unnormalised probabilities,
+    then inverse transform sampling (Devroye 1986, §2.1) with one uniform per row, over
+    the kept tokens in vocabulary order. The same rule as the C++ kernel (its header says
+    it in full); this one sorts each filtered row whole, so it is the slow path (and the
+    one a GPU runs).
+
+    Args:
+        logits: ``[num_rows, vocab]`` fp32.
+        rows: ``[n]`` int64, the rows to sample.
+        temperature, top_p, min_p: ``[n]`` fp32 (temperature > 0; top_p 1 and min_p 0 are
+            off).
+        top_k: ``[n]`` int64 (0 is off).
+        uniforms: ``[n]`` fp64 in ``[0, 1)``.
+
+    Returns:
+        ``[n]`` int64 token ids, on ``logits``' device.
+    """
+    device = logits.device
+    x = logits[rows.to(device)].float()
+    n, vocab = x.shape
+    m = x.max(-1, keepdim=True).values
+    e = ((x - m) / temperature.to(device).unsqueeze(1)).exp()
+    # The kept set of a row is {e >= t}; the largest token (e == 1) always passes.
+    t = torch.full((n, 1), torch.finfo(torch.float32).smallest_normal, device=device)
+    t = torch.maximum(t, min_p.to(device).clamp(max=1.0).unsqueeze(1))
+    k = top_k.to(device)
+    k_rows = torch.nonzero((k > 0) & (k < vocab)).squeeze(1)
+    if k_rows.numel():
+        kept = torch.where(e[k_rows] >= t[k_rows], e[k_rows], 0.0)
+        kth = kept.topk(int(k[k_rows].max()), dim=-1).values.gather(1, (k[k_rows] - 1)[:, None])
+        t[k_rows] = torch.maximum(t[k_rows], kth)
+    p = top_p.to(device)
+    p_rows = torch.nonzero(p < 1.0).squeeze(1)
+    if p_rows.numel():
+        kept = torch.where(e[p_rows] >= t[p_rows], e[p_rows], 0.0)
+        desc = kept.sort(dim=-1, descending=True).values
+        cum = desc.double().cumsum(-1)
+        goal = p[p_rows].double().unsqueeze(1) * cum[:, -1:]
+        cut = (cum < goal).sum(-1, keepdim=True).clamp(max=vocab - 1)
+        t[p_rows] = torch.maximum(t[p_rows], desc.gather(1, cut))
+    cdf = torch.where(e >= t, e, 0.0).double().cumsum(-1)
+    target = uniforms.to(device).double().unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=vocab - 1)

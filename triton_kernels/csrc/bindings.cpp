@@ -19,14 +19,17 @@
 //   (any mix of parts). Llama's block, and the twists of Qwen3 (Q/K norms) and Gemma
 //   2/3 (sandwich norms, GeGLU, Q/K norms, sliding windows, per-layer RoPE tables,
 //   soft-capping) as per-layer options (decode_layers.h).
+// - sample_from_logits: one token per row by temperature, min-p, top-k, top-p and inverse
+//   transform sampling with a given uniform, no sort of the vocabulary (sampling.h).
 //
 // The first three take fp32, bf16 or fp16 tensors and accumulate in fp32.
 // Shapes and dtypes are checked in Python (triton_kernels/cpu_ops.py) and again
 // here with TORCH_CHECK, which surfaces as RuntimeError.
 //
 // One file per kernel: attention.{h,cpp}, norm_act.{h,cpp}, linear.{h,cpp},
-// decode_layers.{h,cpp}, quant_ops.{h,cpp}, quant_amx.{h,cpp}, copy_blocks.cpp; shared SIMD
-// helpers in simd.h. Every .cpp of csrc/ is compiled (cpu_ops.py globs them).
+// decode_layers.{h,cpp}, quant_ops.{h,cpp}, quant_amx.{h,cpp}, sampling.{h,cpp},
+// copy_blocks.cpp; shared SIMD helpers in simd.h. Every .cpp of csrc/ is compiled (cpu_ops.py
+// globs them).
 
 #include <torch/extension.h>
 
@@ -35,6 +38,7 @@
 #include "linear.h"
 #include "norm_act.h"
 #include "quant_ops.h"
+#include "sampling.h"
 
 void copy_blocks(at::Tensor kv_cache, const at::Tensor& block_mapping);  // copy_blocks.cpp
 
@@ -68,6 +72,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_isa", [] { return static_cast<int>(aioengine::resolve_isa(-1)); },
         "The instruction-set path the quantized kernels use: 0 scalar, 1 AVX2, 2 AVX-512, "
         "3 AVX-512 with AMX-BF16 for the GEMM.");
+  m.def("sample_from_logits", &aioengine::sample_from_logits, pybind11::arg("logits"),
+        pybind11::arg("rows"), pybind11::arg("temperature"), pybind11::arg("top_k"),
+        pybind11::arg("top_p"), pybind11::arg("min_p"), pybind11::arg("uniforms"), release());
   namespace py = pybind11;
   using aioengine::DecoderLayerWeights;
   using aioengine::Projection;
