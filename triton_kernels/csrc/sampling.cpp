@@ -107,10 +107,59 @@ int64_t compact_at_least(const float* e, int64_t n, float lo, float* out) {
   return c;
 }
 
+// Thresholds tried by raise_floor, largest first (e's largest value is 1).
+constexpr int kLadder = 8;
+constexpr float kLadderValues[kLadder] = {0.5f,          0.25f,          0.125f,
+                                          1.f / 32,      1.f / 128,      1.f / 1024,
+                                          1.f / 16384,   1.f / 1048576};
+
+// The largest ladder value v > lo whose count (by_mass false) or mass (true) of e >= v
+// reaches goal, else lo: a lower bound of select_descending's answer from one vectorised
+// pass, so that only the e >= v are compacted and histogrammed (a few hundred for a
+// peaked row instead of the vocabulary). Masses are fp32 lane sums, so they must clear
+// goal by a margin.
+float raise_floor(const float* e, int64_t n, float lo, bool by_mass, double goal) {
+  float counts[kLadder] = {0.f}, masses[kLadder] = {0.f};
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vc[kLadder], vm[kLadder], vt[kLadder];
+  for (int j = 0; j < kLadder; ++j) {
+    vc[j] = vm[j] = _mm512_setzero_ps();
+    vt[j] = _mm512_set1_ps(kLadderValues[j]);
+  }
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(e + i);
+    for (int j = 0; j < kLadder; ++j) {
+      const __mmask16 ge = _mm512_cmp_ps_mask(v, vt[j], _CMP_GE_OQ);
+      vc[j] = _mm512_mask_add_ps(vc[j], ge, vc[j], one);
+      vm[j] = _mm512_mask_add_ps(vm[j], ge, vm[j], v);
+    }
+  }
+  for (int j = 0; j < kLadder; ++j) {
+    counts[j] = _mm512_reduce_add_ps(vc[j]);
+    masses[j] = _mm512_reduce_add_ps(vm[j]);
+  }
+#endif
+  for (; i < n; ++i)
+    for (int j = 0; j < kLadder; ++j)
+      if (e[i] >= kLadderValues[j]) {
+        counts[j] += 1.f;
+        masses[j] += e[i];
+      }
+  for (int j = 0; j < kLadder; ++j) {
+    if (kLadderValues[j] <= lo) break;
+    if (by_mass ? masses[j] >= goal * (1.0 + 1e-4) : counts[j] >= goal) return kLadderValues[j];
+  }
+  return lo;
+}
+
 // Among e[i] >= lo: the value v at which the descending running count (by_mass false) or
-// mass (by_mass true) first reaches goal; lo when it never does (rounding).
+// mass (by_mass true) first reaches goal; lo (or raise_floor's bound) when it never does
+// (rounding).
 float select_descending(const float* e, int64_t n, float lo, bool by_mass, double goal,
                         RowScratch& s) {
+  lo = std::max(lo, raise_floor(e, n, lo, by_mass, goal));
   s.candidates.resize(n + 16);
   float* cand = s.candidates.data();
   const int64_t c = compact_at_least(e, n, lo, cand);
