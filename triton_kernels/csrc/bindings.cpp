@@ -42,7 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel releases the GIL, as torch's own ops do: an in-process engine runs steps
   // in a thread beside its event loop.
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("paged_attention_decode", &aioengine::paged_attention_decode, release());
+  m.def("paged_attention_decode", &aioengine::paged_attention_decode, pybind11::arg("out"),
+        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("portable") = false, release());
   m.def("fused_add_rms_norm", &aioengine::fused_add_rms_norm, release());
   m.def("silu_and_mul", &aioengine::silu_and_mul, release());
   m.def("copy_blocks", &copy_blocks, pybind11::arg("kv_cache"), pybind11::arg("block_mapping"),
