@@ -3,9 +3,10 @@
 //
 // - paged_attention_decode: one new query token per sequence attends to its
 //   paged K/V, read in place through the block table (PagedAttention, Kwon et
-//   al. 2023, section 4.1): no gather copy. One task per (sequence, KV head)
-//   reads each K and V row once for the whole query-head group (GQA,
-//   Ainslie et al. 2023). Scores, softmax and the weighted sum in fp32.
+//   al. 2023, section 4.1): no gather copy. Each K and V row is read once for
+//   the whole query-head group (GQA, Ainslie et al. 2023). Scores, softmax and
+//   the weighted sum in fp32; a blocked AVX-512 kernel where it applies,
+//   portable=True forces the portable one (attention.h).
 // - fused_add_rms_norm: residual += x; x = rms_norm(residual) * weight, in
 //   place (vLLM's fused_add_rms_norm; RMSNorm, Zhang & Sennrich 2019).
 // - silu_and_mul: out = silu(x[:, :d]) * x[:, d:] (SwiGLU, Shazeer 2020).
