@@ -79,7 +79,7 @@ def test_blocked_and_portable_kernels_equal_the_reference(num_heads, num_kv_head
     # The blocked AVX-512 kernel takes fp32 queries with head_dim a multiple of 16 (40
     # goes to the portable one on every CPU); both must equal SDPA over the widened cache
     # at ragged lengths around its 16-key chunks, group sizes 1/3/8/5 (its 4-head tiles
-    # plus a remainder), 2 threads (tasks split by keys) and padded block tables.
+    # plus a remainder), 1 and 2 threads (tasks split by keys) and padded block tables.
     seq_lens = [1, 15, 16, 17, 47, 300, 2]
     batch = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, 16,
                        head_dim=head_dim)
@@ -89,9 +89,11 @@ def test_blocked_and_portable_kernels_equal_the_reference(num_heads, num_kv_head
     expected = reference.paged_attention(**{**batch, "key_cache": batch["key_cache"].float(),
                                             "value_cache": batch["value_cache"].float()})
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        for portable in (False, True):
+        # 1 thread: 7 sequences >= 4 per thread, so a blocked task takes all KV heads of
+        # its sequence; 2 threads: one KV head a task.
+        for num_threads, portable in ((1, False), (2, False), (2, True)):
+            torch.set_num_threads(num_threads)
             out = torch.full_like(batch["query"], float("nan"))
             cpu_ops.load().paged_attention_decode(out, batch["query"], batch["key_cache"],
                                                   batch["value_cache"], plan.block_table,
