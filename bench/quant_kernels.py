@@ -12,6 +12,10 @@ read (the format's bytes for the kernel, 4 bytes a value for fp32) and GFLOP/s
 kernels on the default model: the fused 30-layer stack (``cpu_ops.LlamaDecodeLayers``,
 Q4_1 projections, 128 tokens of context each) plus the Q8_0 LM head.
 
+``--attention`` times decode attention alone (the blocked AVX-512 kernel against the
+portable one, fp32 and fp16 caches) beside its floor, the cache's bytes at the measured
+read bandwidth; ``--kv-cache-dtype float16`` runs ``--decode`` over an fp16 cache.
+
 ``--q8`` also times Q4_0/Q4_1/Q8_0 with int8 activations (``AIOENGINE_Q8_ACTIVATIONS=1``:
 VNNI dot products at 1-2 rows of Q4_0/Q4_1 and 1-8 of Q8_0), interleaved with the fp32
 activations, and the decode step both ways.
@@ -23,7 +27,7 @@ times the step both ways too. ``--breakdown`` adds the fused step's time by op.
 
 Usage: python bench/quant_kernels.py [--formats Q4_1,Q8_0] [--rows 1,8,32,64]
        [--decode] [--decode-batch 1,32] [--threads N] [--clock wall|cpu] [--min-time 0.3]
-       [--q8] [--breakdown]
+       [--q8] [--breakdown] [--kv-cache-dtype float16] [--attention]
 
 Times are the best of three rounds, wall-clock by default. On a machine other work
 shares, an OpenMP region waits whenever one of its threads is descheduled, and a
@@ -184,9 +188,11 @@ def bench_linears(formats: list[QT], rows: list[int], min_time: float,
     return results
 
 
-def bench_decode(batches: list[int], min_time: float, breakdown: bool = False) -> list[dict]:
+def bench_decode(batches: list[int], min_time: float, breakdown: bool = False,
+                 kv_dtype: torch.dtype = torch.float32) -> list[dict]:
     """The default model's 30 Q4_1 layers in one fused call, plus the Q8_0 LM head;
-    ``breakdown``: also the fused step's wall time by op (``set_profile``)."""
+    ``breakdown``: also the fused step's wall time by op (``set_profile``); ``kv_dtype``:
+    the KV cache's element type (``--kv-cache-dtype``)."""
     hidden, inter, heads, kv_heads, head_dim, layers = 576, 1536, 9, 3, 64, 30
     qkv_rows = (heads + 2 * kv_heads) * head_dim
     ones = torch.ones(hidden)
@@ -199,7 +205,8 @@ def bench_decode(batches: list[int], min_time: float, breakdown: bool = False) -
     layer_bytes = sum(w.nbytes for layer in spec for w in layer[2:] if w is not None)
     results = []
     for batch in batches:
-        layers_s = _time_layers(fused, batch, layers, kv_heads, head_dim, hidden, min_time)
+        layers_s = _time_layers(fused, batch, layers, kv_heads, head_dim, hidden, min_time,
+                                kv_dtype=kv_dtype)
         h = torch.randn(batch, hidden)
         head_s = time_call(lambda h=h: quant.linear(h, head), min_time)
         row = {"batch": batch, "layers_ms": layers_s * 1e3, "lm_head_ms": head_s * 1e3,
@@ -207,7 +214,8 @@ def bench_decode(batches: list[int], min_time: float, breakdown: bool = False) -
                "layers_gbs": layer_bytes / layers_s / 1e9,
                "lm_head_gbs": head.nbytes / head_s / 1e9}
         if breakdown:
-            row["breakdown_ms"] = _breakdown(fused, batch, layers, kv_heads, head_dim, hidden)
+            row["breakdown_ms"] = _breakdown(fused, batch, layers, kv_heads, head_dim, hidden,
+                                             kv_dtype=kv_dtype)
         results.append(row)
         print(f"decode batch {batch:3d}: 30 Q4_1 layers {row['layers_ms']:6.2f} ms "
               f"({row['layers_gbs']:4.1f} GB/s) + Q8_0 head {row['lm_head_ms']:6.2f} ms "
@@ -220,14 +228,14 @@ def bench_decode(batches: list[int], min_time: float, breakdown: bool = False) -
 
 
 def _breakdown(fused, batch: int, layers: int, kv_heads: int, head_dim: int, hidden: int,
-               steps: int = 20) -> dict[str, float]:
+               steps: int = 20, kv_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Milliseconds a step by op of the fused step (the calling thread's CPU time inside
     the C++ call: with more than one thread, the other threads' share is not counted)."""
     impl = fused._impl
     impl.set_profile(True)
     try:
         _time_layers(fused, batch, layers, kv_heads, head_dim, hidden, min_time=0.0,
-                     calls=steps)
+                     calls=steps, kv_dtype=kv_dtype)
         seconds = impl.op_seconds()
     finally:
         impl.set_profile(False)
@@ -235,13 +243,14 @@ def _breakdown(fused, batch: int, layers: int, kv_heads: int, head_dim: int, hid
 
 
 def _time_layers(fused, batch: int, layers: int, kv_heads: int, head_dim: int, hidden: int,
-                 min_time: float, calls: int = 0) -> float:
+                 min_time: float, calls: int = 0,
+                 kv_dtype: torch.dtype = torch.float32) -> float:
     """Seconds for one fused decode step of ``batch`` sequences, 128 tokens of context;
     ``calls`` > 0: just run it that many times (returns 0)."""
     context, block_size = 128, 16
     blocks_per_seq = context // block_size
-    kv_cache = torch.randn(layers, 2, batch * blocks_per_seq, block_size, kv_heads,
-                           head_dim) * 0.1
+    kv_cache = (torch.randn(layers, 2, batch * blocks_per_seq, block_size, kv_heads,
+                            head_dim) * 0.1).to(kv_dtype)
     block_tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, -1)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     slots = (block_tables[:, -1].long() * block_size + block_size - 1).contiguous()
@@ -257,6 +266,50 @@ def _time_layers(fused, batch: int, layers: int, kv_heads: int, head_dim: int, h
             step()
         return 0.0
     return time_call(step, min_time)
+
+
+def bench_attention(batches: list[int], min_time: float, read_gbs: float,
+                    contexts: tuple[int, ...] = (128, 512)) -> list[dict]:
+    """Decode attention alone (``paged_attention_decode``), the default model's shape (9
+    query heads on 3 KV heads of 64, block size 16) over 30 layers' caches of
+    ``batch`` sequences x ``context`` keys, fp32 and fp16 caches: the blocked kernel
+    (AVX-512 builds) against the portable one, interleaved. A step reads every cached K
+    and V once, so bytes / ``read_gbs`` is its floor (its FLOPs, 4 * heads * head_dim a
+    key, are far below the GEMM ceiling)."""
+    ops = cpu_ops.load()
+    layers, heads, kv_heads, head_dim, block_size = 30, 9, 3, 64, 16
+    results = []
+    for batch in batches:
+        for context in contexts:
+            for dtype in (torch.float32, torch.float16):
+                blocks = batch * -(-context // block_size)
+                kv = torch.randn(layers, 2, blocks, block_size, kv_heads, head_dim).to(dtype)
+                tables = torch.arange(blocks, dtype=torch.int32).view(batch, -1)
+                lens = torch.full((batch,), context, dtype=torch.int32)
+                q = torch.randn(batch, heads, head_dim)
+                out = torch.empty_like(q)
+
+                def step(portable: bool, kv=kv, tables=tables, lens=lens, q=q, out=out):
+                    for i in range(layers):
+                        ops.paged_attention_decode(out, q, kv[i, 0], kv[i, 1], tables, lens,
+                                                   head_dim ** -0.5, portable)
+
+                blocked_s = portable_s = float("inf")
+                for _ in range(2):  # interleaved
+                    portable_s = min(portable_s, time_call(lambda: step(True), min_time))
+                    blocked_s = min(blocked_s, time_call(lambda: step(False), min_time))
+                gb = batch * context * kv_heads * head_dim * 2 * layers * kv.element_size() / 1e9
+                row = {"batch": batch, "context": context, "cache": str(dtype)[6:],
+                       "portable_ms": portable_s * 1e3, "blocked_ms": blocked_s * 1e3,
+                       "kv_mb": gb * 1e3, "floor_ms": gb / read_gbs * 1e3,
+                       "blocked_gbs": gb / blocked_s}
+                results.append(row)
+                print(f"attention batch {batch:3d} x {context:4d} keys, {row['cache']:>7} "
+                      f"cache ({row['kv_mb']:5.0f} MB a step): portable "
+                      f"{row['portable_ms']:7.2f} ms, blocked {row['blocked_ms']:7.2f} ms "
+                      f"({portable_s / blocked_s:.2f}x, {row['blocked_gbs']:4.1f} GB/s); "
+                      f"floor at {read_gbs:.1f} GB/s {row['floor_ms']:6.2f} ms", flush=True)
+    return results
 
 
 def main() -> None:
@@ -276,6 +329,11 @@ def main() -> None:
                              "step with them")
     parser.add_argument("--breakdown", action="store_true",
                         help="with --decode: the fused step's time by op")
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32",
+                        help="with --decode: the KV cache's element type")
+    parser.add_argument("--attention", action="store_true",
+                        help="decode attention alone at --decode-batch sizes (blocked vs "
+                             "portable kernel, fp32 and fp16 caches) beside its bandwidth floor")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -304,25 +362,30 @@ def main() -> None:
     report = {"cpu": model, "flags": flags, "threads": threads, "clock": args.clock,
               "loadavg": os.getloadavg()[0], "ceilings": ceiling,
               "linears": bench_linears(formats, rows, args.min_time, args.q8)}
+    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    if args.attention:
+        report["attention"] = bench_attention(
+            [int(b) for b in args.decode_batch.split(",")], args.min_time, ceiling["read_gbs"])
     if args.decode:
         batches = [int(b) for b in args.decode_batch.split(",")]
         cpu_ops.set_q8_activations(False)
         amx = cpu_ops.set_amx(False)
         if AMX:
             print("fp32 path (AMX off):")
-        report["decode"] = bench_decode(batches, args.min_time, args.breakdown)
+        report["decode"] = bench_decode(batches, args.min_time, args.breakdown, kv_dtype)
         if AMX:
             for mode, bf16 in (("amx", True), ("x3", False)):
                 cpu_ops.set_amx(True)
                 cpu_ops.set_bf16_gemm(bf16)
                 print(f"AMX GEMM ({'bf16' if bf16 else 'bf16 hi + lo'}):")
-                report[f"decode_{mode}"] = bench_decode(batches, args.min_time, args.breakdown)
+                report[f"decode_{mode}"] = bench_decode(batches, args.min_time, args.breakdown,
+                                                        kv_dtype)
             cpu_ops.set_bf16_gemm(cpu_ops.bf16_gemm_requested())
         cpu_ops.set_amx(amx or cpu_ops.amx_requested())
         if args.q8 and cpu_ops.set_q8_activations(True):
             print("with int8 activations:")
             try:
-                report["decode_q8"] = bench_decode(batches, args.min_time, args.breakdown)
+                report["decode_q8"] = bench_decode(batches, args.min_time, args.breakdown, kv_dtype)
             finally:
                 cpu_ops.set_q8_activations(False)
     path = Path(args.out) if args.out else RESULTS_DIR / "quant_kernels.json"

@@ -71,6 +71,38 @@ def test_decode_kernel_half_precision(dtype, atol):
                                atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 80, 128, 40])
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA + [(10, 2)])
+def test_blocked_and_portable_kernels_equal_the_reference(num_heads, num_kv_heads, head_dim,
+                                                          cache_dtype):
+    # The blocked AVX-512 kernel takes fp32 queries with head_dim a multiple of 16 (40
+    # goes to the portable one on every CPU); both must equal SDPA over the widened cache
+    # at ragged lengths around its 16-key chunks, group sizes 1/3/8/5 (its 4-head tiles
+    # plus a remainder), 1 and 2 threads (tasks split by keys) and padded block tables.
+    seq_lens = [1, 15, 16, 17, 47, 300, 2]
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, 16,
+                       head_dim=head_dim)
+    for name in ("key_cache", "value_cache"):
+        batch[name] = batch[name].to(cache_dtype)
+    plan = _plan(batch).decode
+    expected = reference.paged_attention(**{**batch, "key_cache": batch["key_cache"].float(),
+                                            "value_cache": batch["value_cache"].float()})
+    threads = torch.get_num_threads()
+    try:
+        # 1 thread: 7 sequences >= 4 per thread, so a blocked task takes all KV heads of
+        # its sequence; 2 threads: one KV head a task.
+        for num_threads, portable in ((1, False), (2, False), (2, True)):
+            torch.set_num_threads(num_threads)
+            out = torch.full_like(batch["query"], float("nan"))
+            cpu_ops.load().paged_attention_decode(out, batch["query"], batch["key_cache"],
+                                                  batch["value_cache"], plan.block_table,
+                                                  plan.seq_lens, batch["scale"], portable)
+            torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_kernel_reads_only_the_sequence_tokens():
     # NaN in every slot past each sequence's length and in unused blocks: a kernel that
     # read them would return NaN.

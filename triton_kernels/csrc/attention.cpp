@@ -11,7 +11,7 @@ template <typename scalar_t, typename cache_t = scalar_t>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           double scale) {
+                           double scale, bool portable) {
   DecodeAttention<scalar_t, cache_t> a;
   a.q = query.data_ptr<scalar_t>();
   a.qs = query.stride(0);
@@ -36,7 +36,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
   a.head_dim = query.size(2);
   a.block_size = key_cache.size(1);
   a.scale = static_cast<float>(scale);
-  decode_attention_run(a);
+  decode_attention_run(a, portable);
 }
 
 
@@ -44,7 +44,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
 
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_tables,
-                            at::Tensor seq_lens, double scale) {
+                            at::Tensor seq_lens, double scale, bool portable) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention_decode: bad ranks");
   TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
@@ -66,16 +66,17 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
               "under an fp32 query");
   if (query.scalar_type() == at::kFloat && cache_type == at::kHalf) {
     decode_attention_impl<float, c10::Half>(out, query, key_cache, value_cache, block_tables,
-                                            seq_lens, scale);
+                                            seq_lens, scale, portable);
     return;
   }
   if (query.scalar_type() == at::kFloat && cache_type == at::kBFloat16) {
     decode_attention_impl<float, c10::BFloat16>(out, query, key_cache, value_cache, block_tables,
-                                                seq_lens, scale);
+                                                seq_lens, scale, portable);
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attn", [&] {
-    decode_attention_impl<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+    decode_attention_impl<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                       portable);
   });
 }
 

@@ -3,9 +3,10 @@
 //
 // - paged_attention_decode: one new query token per sequence attends to its
 //   paged K/V, read in place through the block table (PagedAttention, Kwon et
-//   al. 2023, section 4.1): no gather copy. One task per (sequence, KV head)
-//   reads each K and V row once for the whole query-head group (GQA,
-//   Ainslie et al. 2023). Scores, softmax and the weighted sum in fp32.
+//   al. 2023, section 4.1): no gather copy. Each K and V row is read once for
+//   the whole query-head group (GQA, Ainslie et al. 2023). Scores, softmax and
+//   the weighted sum in fp32; a blocked AVX-512 kernel where it applies,
+//   portable=True forces the portable one (attention.h).
 // - fused_add_rms_norm: residual += x; x = rms_norm(residual) * weight, in
 //   place (vLLM's fused_add_rms_norm; RMSNorm, Zhang & Sennrich 2019).
 // - silu_and_mul: out = silu(x[:, :d]) * x[:, d:] (SwiGLU, Shazeer 2020).
@@ -46,7 +47,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel releases the GIL, as torch's own ops do: an in-process engine runs steps
   // in a thread beside its event loop.
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("paged_attention_decode", &aioengine::paged_attention_decode, release());
+  m.def("paged_attention_decode", &aioengine::paged_attention_decode, pybind11::arg("out"),
+        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("portable") = false, release());
   m.def("fused_add_rms_norm", &aioengine::fused_add_rms_norm, release());
   m.def("silu_and_mul", &aioengine::silu_and_mul, release());
   m.def("copy_blocks", &copy_blocks, pybind11::arg("kv_cache"), pybind11::arg("block_mapping"),

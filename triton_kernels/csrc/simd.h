@@ -82,7 +82,8 @@ inline void axpy<float>(float* y, float alpha, const float* x, int64_t n) {
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// 16 fp16 or bf16 values (a KV cache of --kv-cache-dtype float16/bfloat16) as fp32.
+// 16 fp32, fp16 or bf16 values (a KV cache of --kv-cache-dtype float16/bfloat16) as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
