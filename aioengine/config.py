@@ -156,6 +156,16 @@ class SchedulerConfig:
         max_waiting_requests: bound of the waiting queue; past it new
             requests are refused (HTTP 429).
         enable_chunked_prefill: split long prompts across steps.
+        chunked_prefill_itl_ratio: while requests are decoding, a step's prefill
+            tokens are capped so that its predicted time is at most this many
+            times a decode-only step's: the decoding requests' inter-token
+            latency (ITL) grows by at most this factor while prompts arrive.
+            The prediction is fitted to the worker's measured step times
+            (``aioengine.core.step_cost``); the cap is never below one KV block
+            (prompts always progress), and with nothing decoding a prompt gets
+            the whole ``max_num_batched_tokens`` (TTFT). 0 turns the cap off:
+            every step may fill ``max_num_batched_tokens``. Only with chunked
+            prefill on. Default 1.5 (bench/README.md, "Scheduler").
         async_scheduling: schedule step N+1 while the worker runs step N (vLLM v1's
             ``--async-scheduling``): every decoding request is assumed to get one
             more token, the worker feeds step N+1 from its own step-N samples, and
@@ -171,12 +181,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_waiting_requests: int = 1024
     enable_chunked_prefill: bool = True
+    chunked_prefill_itl_ratio: float = 1.5
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        ratio = self.chunked_prefill_itl_ratio
+        if ratio != 0 and not 1 < ratio < float("inf"):  # NaN fails too
+            raise ValueError(f"chunked_prefill_itl_ratio must be 0 (off) or a finite number "
+                             f"above 1, got {ratio}")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 import sys
 import tempfile
 import time
@@ -71,8 +72,9 @@ async def run_mode(endpoint: Endpoint, args: argparse.Namespace, seed: int) -> d
     vocab = args.vocab_size
     streams = synthetic_workload(args.num_streams, (args.stream_prompt_len,) * 2,
                                  (args.stream_output_len,) * 2, vocab, seed)
-    longs = synthetic_workload(args.max_long_prompts, (args.long_prompt_len,) * 2,
+    longs = synthetic_workload(args.max_long_prompts, tuple(args.long_prompt_len),
                                (args.long_max_tokens,) * 2, vocab, seed + 1000)
+    gaps = random.Random(seed + 2000)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.time_limit + 60),
                                  limits=limits) as client:
@@ -94,7 +96,9 @@ async def run_mode(endpoint: Endpoint, args: argparse.Namespace, seed: int) -> d
                 break
             long_sent.append(time.perf_counter())
             long_tasks.append(asyncio.ensure_future(sse_request(client, endpoint, req, False)))
-            await asyncio.wait(stream_tasks, timeout=args.long_prompt_interval,
+            gap = (gaps.expovariate(1.0 / args.long_prompt_interval)
+                   if args.arrivals == "poisson" else args.long_prompt_interval)
+            await asyncio.wait(stream_tasks, timeout=gap,
                                          return_when=asyncio.ALL_COMPLETED)
         await asyncio.wait(stream_tasks + long_tasks,
                            timeout=max(0.0, deadline - time.perf_counter()))
@@ -175,14 +179,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra 'serve' flag for both servers (repeatable)")
-    p.add_argument("--num-streams", type=int, default=16)
+    p.add_argument("--num-streams", type=int, default=32)
     p.add_argument("--stream-prompt-len", type=int, default=32)
-    p.add_argument("--stream-output-len", type=int, default=128)
-    p.add_argument("--long-prompt-len", type=int, default=1024)
+    p.add_argument("--stream-output-len", type=int, default=512)
+    p.add_argument("--long-prompt-len", type=int, nargs="+", default=[300, 1500],
+                   metavar="LEN", help="new prompts' length, or MIN MAX: uniform (tokens)")
     p.add_argument("--long-max-tokens", type=int, default=1)
-    p.add_argument("--long-prompt-interval", type=float, default=3.0, help="seconds")
-    p.add_argument("--max-long-prompts", type=int, default=64)
-    p.add_argument("--chunk-budget", type=int, default=256,
+    p.add_argument("--long-prompt-interval", type=float, default=1.5,
+                   help="mean seconds between new prompts")
+    p.add_argument("--arrivals", choices=["poisson", "fixed"], default="poisson",
+                   help="new prompts as a Poisson process or at a fixed interval")
+    p.add_argument("--max-long-prompts", type=int, default=128)
+    p.add_argument("--chunk-budget", type=int, default=2048,
                    help="--max-num-batched-tokens with chunked prefill on")
     p.add_argument("--no-chunk-budget", type=int, default=2048,
                    help="--max-num-batched-tokens with chunked prefill off (>= long prompt)")
@@ -191,7 +199,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot-dir", default=str(RESULTS_DIR))
     args = p.parse_args(argv)
-    if args.no_chunk_budget < args.long_prompt_len + args.num_streams:
+    if len(args.long_prompt_len) == 1:
+        args.long_prompt_len *= 2
+    if len(args.long_prompt_len) != 2 or args.long_prompt_len[0] > args.long_prompt_len[1]:
+        p.error("--long-prompt-len takes LEN or MIN MAX (MIN <= MAX)")
+    if "off" in args.modes.split(",") and (
+            args.no_chunk_budget < args.long_prompt_len[1] + args.num_streams):
         p.error("--no-chunk-budget must hold a whole long prompt plus one token per stream")
     return args
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from aioengine.config import SchedulerConfig
 from aioengine.core.block_pool import KVCacheBlock
 from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.core.step_cost import StepCostModel
 from aioengine.errors import SchedulerQueueFull
 from aioengine.ipc.messages import (
     CachedRequestData,
@@ -54,6 +55,10 @@ class _StepBuilder:
 
     Attributes:
         token_budget: tokens left of ``max_num_batched_tokens``.
+        prefill_budget: tokens left for prompt chunks (new prompts, unfinished
+            ones, recomputation after a preemption); below ``token_budget``
+            while requests decode (``Scheduler.prefill_token_cap``).
+        prefill_req_ids: the requests scheduled for a prompt chunk.
         num_scheduled_tokens: new tokens per scheduled request id.
         new_block_ids: blocks allocated this step, per running request id.
         spec_tokens: draft tokens scheduled after a request's last token
@@ -63,6 +68,8 @@ class _StepBuilder:
     """
 
     token_budget: int
+    prefill_budget: int
+    prefill_req_ids: set[str] = field(default_factory=set)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -124,6 +131,7 @@ class Scheduler:
         self.preempted_req_ids: list[str] = []
         self._known_to_worker: set[str] = set()
         self.stats = SchedulerStats()
+        self.step_cost = StepCostModel()
         self._step_id = 0
         self._scheduled_order: list[Request] = []
         # Async scheduling: sampled tokens not yet applied, launched steps not yet
@@ -254,10 +262,48 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their blocks:
         running requests first, then waiting ones, then the message."""
-        step = _StepBuilder(self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        step = _StepBuilder(budget, min(budget, self.prefill_token_cap()))
         self._schedule_running(step)
         self._schedule_waiting(step)
         return self._make_output(step)
+
+    def prefill_token_cap(self) -> int:
+        """Most prompt tokens this step may carry (``chunked_prefill_itl_ratio``):
+        while requests decode, as many as keep the step's predicted time
+        (``StepCostModel``) within the ratio of a decode-only step's, at least
+        one KV block so prompts progress; otherwise, or before the worker's step
+        times allow a prediction, ``max_num_batched_tokens``."""
+        budget = self.config.max_num_batched_tokens
+        ratio = self.config.chunked_prefill_itl_ratio
+        if not ratio or not self.config.enable_chunked_prefill:
+            return budget
+        num_decodes = sum(
+            1
+            for r in self.running
+            if self._num_tokens_ahead(r) - r.num_computed_tokens == 1
+            and not self._ends_in_flight(r)
+        )
+        cap = self.step_cost.max_prefill_tokens(num_decodes, ratio) if num_decodes else None
+        if cap is None:
+            return budget
+        return min(budget, max(cap, self.kv_cache_manager.block_size))
+
+    def _observe_step_time(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """Feed the step's shape and the worker's time to ``step_cost``: a request
+        given one token (plus drafts) is a decode row, longer ones prompt chunks."""
+        drafts = output.scheduled_spec_decode_tokens
+        num_decodes = num_prefill = 0
+        for req_id, num_new in zip(output.req_ids(), output.num_scheduled_tokens):
+            num_drafts = len(drafts.get(req_id, ()))
+            if num_new - num_drafts == 1:
+                num_decodes += 1
+                num_prefill += num_drafts
+            else:
+                num_prefill += num_new
+        self.step_cost.observe(
+            num_decodes, num_prefill, runner_output.forward_time + runner_output.sample_time
+        )
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         """A decode token for each running request, or its next prompt chunk.
@@ -270,9 +316,11 @@ class Scheduler:
                 continue  # preempted for an earlier request in this loop
             if self._ends_in_flight(request):
                 continue
-            num_new = min(
-                self._num_tokens_ahead(request) - request.num_computed_tokens, step.token_budget
-            )
+            num_left = self._num_tokens_ahead(request) - request.num_computed_tokens
+            is_prefill = num_left > 1  # a prompt chunk; a decode has one token left
+            num_new = min(num_left, step.token_budget)
+            if is_prefill:
+                num_new = min(num_new, step.prefill_budget)
             if num_new <= 0:
                 continue
             new_blocks = self._allocate_with_drafts(request, num_new, step)
@@ -294,6 +342,9 @@ class Scheduler:
             step.num_scheduled_tokens[request.request_id] = num_new
             step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             step.token_budget -= num_new
+            if is_prefill:
+                step.prefill_budget -= num_new
+                step.prefill_req_ids.add(request.request_id)
 
     def _allocate_with_drafts(
         self, request: Request, num_new: int, step: _StepBuilder
@@ -318,7 +369,7 @@ class Scheduler:
         requests than every running one are admitted (no thrashing)."""
         blocked_by_preemption = bool(self.preempted_req_ids)
         index = 0  # of the next waiting request to consider
-        while index < len(self.waiting) and step.token_budget > 0:
+        while index < len(self.waiting) and min(step.token_budget, step.prefill_budget) > 0:
             request = self.waiting[index]
             if (
                 request.structured_output_request is not None
@@ -338,7 +389,7 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > step.token_budget:
                 break
-            num_new = min(num_new, step.token_budget)
+            num_new = min(num_new, step.token_budget, step.prefill_budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 if not self._preempt_for(request, step) and not self._preempt_idle_for(
                     request, step
@@ -366,6 +417,8 @@ class Scheduler:
         self.running.append(request)
         step.num_scheduled_tokens[request.request_id] = num_new
         step.token_budget -= num_new
+        step.prefill_budget -= num_new
+        step.prefill_req_ids.add(request.request_id)
         if request.request_id in self._known_to_worker:
             step.scheduled_resumed.append(request)
         else:
@@ -438,7 +491,11 @@ class Scheduler:
         self._enqueue_waiting(victim)
         if step is not None and victim in step.scheduled_running:
             step.scheduled_running.remove(victim)
-            step.token_budget += step.num_scheduled_tokens.pop(victim.request_id)
+            num_returned = step.num_scheduled_tokens.pop(victim.request_id)
+            step.token_budget += num_returned
+            if victim.request_id in step.prefill_req_ids:
+                step.prefill_budget += num_returned
+                step.prefill_req_ids.discard(victim.request_id)
             step.new_block_ids.pop(victim.request_id, None)
             step.spec_tokens.pop(victim.request_id, None)
 
@@ -628,6 +685,7 @@ class Scheduler:
             token, ``max_tokens`` or the context length are finished here.
             ``launched``: the step was ``launch``ed (async scheduling).
         """
+        self._observe_step_time(output, runner_output)
         if launched is not None:
             return self._update_launched(output, runner_output, launched)
         results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []

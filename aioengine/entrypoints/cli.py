@@ -69,6 +69,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false", help="turn automatic prefix caching off")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", help="turn chunked prefill off")
+    g.add_argument("--chunked-prefill-itl-ratio", type=float, default=1.5, metavar="RATIO",
+                   help="while requests decode, cap a step's prefill tokens so the step is "
+                        "predicted (from measured step times) to take at most RATIO times a "
+                        "decode-only step: decoding streams' ITL grows by at most RATIO while "
+                        "prompts arrive; with nothing decoding a prompt gets the whole "
+                        "--max-num-batched-tokens. 0: no cap (default: %(default)s)")
     g.add_argument("--async-scheduling", nargs="?", const="on", default="auto",
                    choices=["auto", "on", "off"],
                    help="schedule the next step while the worker runs this one (vLLM's flag; "
@@ -122,6 +128,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_waiting_requests": args.max_waiting_requests,
         "enable_chunked_prefill": args.enable_chunked_prefill,
+        "chunked_prefill_itl_ratio": args.chunked_prefill_itl_ratio,
         "async_scheduling": {"on": True, "off": False}.get(args.async_scheduling),
         # generate runs in this process unless the model is split over workers.
         "executor": args.executor or ("process" if args.tensor_parallel_size > 1

@@ -1,0 +1,109 @@
+"""How long a step takes, from its shape: the prefill token cap of chunked prefill.
+
+A step that carries a prompt chunk is longer than a decode-only step, and
+every request decoding in it waits for the whole step: its inter-token latency
+(ITL) is the step's time. With a fixed token budget
+(``max_num_batched_tokens``) a 2,048-token chunk makes the decoding requests'
+next token several times later than the one before. The scheduler instead
+caps a step's prefill tokens while requests decode, so the step's predicted
+time stays within ``chunked_prefill_itl_ratio`` times a decode-only step's.
+vLLM caps per request with a fixed ``long_prefill_token_threshold`` and SGLang
+with a fixed ``chunked_prefill_size``; a fixed cap is right for one machine
+and one model only, so this one is derived from the worker's measured step
+times and holds wherever the engine runs.
+
+The estimate is linear in the step's shape (the worker's time: forward plus
+sampling, ``ModelRunnerOutput``)::
+
+    t(D, P) = a + b * D + c * P
+
+``D``: decode rows (requests given their next token, with any drafts), ``P``:
+prefill tokens (prompt chunks, recomputation after a preemption, drafts).
+``a`` and ``b`` are the least-squares line through the last ``window``
+decode-only steps (``b = 0`` if they all had one batch size), ``c`` the
+least-squares slope through the origin of the last ``window`` prefill steps'
+time beyond ``a + b * D``. Decode-only and prefill steps are kept apart so a
+long run of either does not push the other out of the window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+# Below this many samples of each kind the estimate is not trusted (None).
+MIN_SAMPLES = 2
+
+
+class StepCostModel:
+    """Running estimate of a step's time from its decode rows and prefill tokens.
+
+    Args:
+        window: steps of each kind (decode-only, with prefill) the fit uses.
+
+    Raises:
+        ValueError: ``window`` below ``MIN_SAMPLES``.
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        if window < MIN_SAMPLES:
+            raise ValueError(f"window must be >= {MIN_SAMPLES}, got {window}")
+        self._decode_steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._prefill_steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float, float] | None = None
+        self._stale = False
+
+    def observe(self, num_decode_rows: int, num_prefill_tokens: int, step_time: float) -> None:
+        """Record one step the worker ran: its shape and its time in seconds."""
+        if step_time <= 0 or num_decode_rows + num_prefill_tokens <= 0:
+            return  # an empty step, or a worker that reports no time
+        if num_prefill_tokens:
+            self._prefill_steps.append((num_decode_rows, num_prefill_tokens, step_time))
+        else:
+            self._decode_steps.append((num_decode_rows, step_time))
+        self._stale = True
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` in seconds, seconds per decode row, seconds per prefill
+        token; None until ``MIN_SAMPLES`` steps of each kind were observed."""
+        if self._stale:
+            self._fit = self._refit()
+            self._stale = False
+        return self._fit
+
+    def _refit(self) -> tuple[float, float, float] | None:
+        if len(self._decode_steps) < MIN_SAMPLES or len(self._prefill_steps) < MIN_SAMPLES:
+            return None
+        n = len(self._decode_steps)
+        mean_d = sum(d for d, _ in self._decode_steps) / n
+        mean_t = sum(t for _, t in self._decode_steps) / n
+        var_d = sum((d - mean_d) ** 2 for d, _ in self._decode_steps)
+        cov_dt = sum((d - mean_d) * (t - mean_t) for d, t in self._decode_steps)
+        # More rows never make a step faster: a negative slope is noise.
+        b = max(0.0, cov_dt / var_d) if var_d > 0 else 0.0
+        a = mean_t - b * mean_d
+        num = sum(p * (t - a - b * d) for d, p, t in self._prefill_steps)
+        den = sum(p * p for _, p, _ in self._prefill_steps)
+        # A prefill token always costs something; the floor keeps the cap finite
+        # when noise (a shared machine) makes the slope come out at or below 0.
+        c = max(num / den, 1e-9)
+        return a, b, c
+
+    def decode_step_time(self, num_decode_rows: int) -> float | None:
+        """Predicted time of a step of ``num_decode_rows`` decodes and no
+        prefill (seconds); None while the estimate is not trusted."""
+        fit = self.coefficients()
+        if fit is None:
+            return None
+        a, b, _ = fit
+        return max(a + b * num_decode_rows, 0.0)
+
+    def max_prefill_tokens(self, num_decode_rows: int, itl_ratio: float) -> int | None:
+        """Most prefill tokens a step with ``num_decode_rows`` decodes may carry
+        so that its predicted time is at most ``itl_ratio`` times the
+        decode-only step's (``itl_ratio > 1``); None while the estimate is not
+        trusted. May be 0: the caller applies its own floor."""
+        decode_time = self.decode_step_time(num_decode_rows)
+        fit = self.coefficients()
+        if decode_time is None or fit is None:
+            return None
+        return int((itl_ratio - 1.0) * decode_time / fit[2])
