@@ -20,10 +20,14 @@ sampling, ``ModelRunnerOutput``)::
 ``D``: decode rows (requests given their next token, with any drafts), ``P``:
 prefill tokens (prompt chunks, recomputation after a preemption, drafts).
 ``a`` and ``b`` are the least-squares line through the last ``window``
-decode-only steps (``b = 0`` if they all had one batch size), ``c`` the
-least-squares slope through the origin of the last ``window`` prefill steps'
-time beyond ``a + b * D``. Decode-only and prefill steps are kept apart so a
-long run of either does not push the other out of the window.
+decode-only steps, ``c`` the least-squares slope through the origin of the
+last ``window`` prefill steps' time beyond ``a + b * D``. Decode-only and
+prefill steps are kept apart so a long run of either does not push the other
+out of the window. Where the decode-only steps cannot place the line (all of
+one batch size, or a fit with a negative part) it goes through the origin
+(``a = 0``): that errs toward a smaller cap, never a longer step, as it
+charges the intercept of a prefill-only step to its tokens and predicts less
+time, not more, for a smaller batch.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 from collections import deque
 
 # Below this many samples of each kind the estimate is not trusted (None).
-MIN_SAMPLES = 2
+MIN_SAMPLES = 1
 
 
 class StepCostModel:
@@ -78,9 +82,10 @@ class StepCostModel:
         mean_t = sum(t for _, t in self._decode_steps) / n
         var_d = sum((d - mean_d) ** 2 for d, _ in self._decode_steps)
         cov_dt = sum((d - mean_d) * (t - mean_t) for d, t in self._decode_steps)
-        # More rows never make a step faster: a negative slope is noise.
-        b = max(0.0, cov_dt / var_d) if var_d > 0 else 0.0
+        b = cov_dt / var_d if var_d > 0 else -1.0
         a = mean_t - b * mean_d
+        if a < 0 or b < 0:  # one batch size, or noise (a shared machine)
+            a, b = 0.0, mean_t / mean_d
         num = sum(p * (t - a - b * d) for d, p, t in self._prefill_steps)
         den = sum(p * p for _, p, _ in self._prefill_steps)
         # A prefill token always costs something; the floor keeps the cap finite

@@ -1,0 +1,301 @@
+"""The prefill token cap of chunked prefill (``chunked_prefill_itl_ratio``).
+
+``StepCostModel`` is fitted to step times, and the scheduler is stepped
+against a stand-in worker whose step takes ``A + B * decodes + C * prefill``
+seconds, so the test knows what every step "cost" and can check the rule the
+cap exists for: while requests decode, no step is predicted to take more than
+the ratio times a decode-only step, prompts still finish, and with nothing
+decoding a prompt gets the whole ``max_num_batched_tokens``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from aioengine.config import EngineConfig, SchedulerConfig
+from aioengine.core.kv_cache_manager import KVCacheManager
+from aioengine.core.scheduler import Scheduler
+from aioengine.core.step_cost import StepCostModel
+from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata
+from aioengine.request import Request
+from aioengine.sampling_params import SamplingParams
+
+BS = 16
+A, B, C = 0.005, 0.0015, 0.00025  # seconds; per decode row; per prefill token
+BUDGET = 2048
+
+
+def step_time(num_decodes: int, num_prefill: int) -> float:
+    return A + B * num_decodes + C * num_prefill
+
+
+def next_token(tokens: list[int]) -> int:
+    return int.from_bytes(hashlib.sha256(repr(tokens).encode()).digest()[:2], "little") + 10
+
+
+def meta(request: Request) -> SamplingMetadata:
+    return SamplingMetadata(0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, 0, -1, 0, [], [])
+
+
+class TimedHarness:
+    """The scheduler against a worker whose step time is ``step_time``."""
+
+    def __init__(self, num_blocks: int = 4000, time_scale: dict[int, float] | None = None,
+                 **config) -> None:
+        config.setdefault("max_num_batched_tokens", BUDGET)
+        self.kv = KVCacheManager(num_blocks, BS)
+        self.sched = Scheduler(SchedulerConfig(**config), self.kv, 100_000, meta)
+        self.time_scale = time_scale or {}
+        # Per step: {request id: (tokens, was it a decode)} and its simulated time.
+        self.steps: list[dict[str, tuple[int, bool]]] = []
+        self.times: list[float] = []
+        self.caps: list[int] = []  # prefill_token_cap() before each step
+
+    def prefill_tokens(self, i: int) -> int:
+        return sum(n for n, is_decode in self.steps[i].values() if not is_decode)
+
+    def assert_itl_ratio_held(self, start: int, ratio: float = 1.5) -> None:
+        """From step ``start`` on, every step with decodes took at most ``ratio``
+        times the decode-only step of as many rows (the stand-in's true times)."""
+        for i in range(start, len(self.steps)):
+            num_decodes = sum(is_decode for _, is_decode in self.steps[i].values())
+            if num_decodes:
+                assert self.times[i] <= ratio * step_time(num_decodes, 0) * 1.001, (i, self.steps[i])
+
+    def assert_caps_held(self) -> None:
+        for i in range(len(self.steps)):
+            assert self.prefill_tokens(i) <= self.caps[i], (i, self.steps[i], self.caps[i])
+
+    def add(self, rid: str, prompt: list[int] | int, max_tokens: int) -> Request:
+        if isinstance(prompt, int):
+            prompt = [(hash(rid) + i) % 5000 + 10 for i in range(prompt)]
+        r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    max_tokens, None, 0, None)
+        self.sched.add_request(r)
+        return r
+
+    def step(self) -> None:
+        cap = self.sched.prefill_token_cap()
+        so = self.sched.schedule()
+        order = self.sched.scheduled_requests
+        self.caps.append(cap)
+        shape, sampled = {}, []
+        for r, n in zip(order, so.num_scheduled_tokens):
+            shape[r.request_id] = (n, n == 1)  # as the scheduler counts a decode row
+            done = r.num_computed_tokens + n >= r.num_tokens
+            sampled.append(next_token(r.all_token_ids) if done else -1)
+        num_decodes = sum(is_decode for _, is_decode in shape.values())
+        num_prefill = sum(n for n, is_decode in shape.values() if not is_decode)
+        t = step_time(num_decodes, num_prefill) * self.time_scale.get(len(self.steps), 1.0)
+        self.steps.append(shape)
+        self.times.append(t)
+        self.sched.update_from_output(so, ModelRunnerOutput(so.step_id, sampled, None, t, 0.0))
+
+    def run(self, max_steps: int = 5000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+    def decode_streams(self, n: int, max_tokens: int) -> list[Request]:
+        """``n`` short prompts, stepped until every one is decoding."""
+        streams = [self.add(f"s{i}", 24, max_tokens) for i in range(n)]
+        while any(s.num_output_tokens < 3 for s in streams):
+            self.step()
+        return streams
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+# -- the cost model ----------------------------------------------------------------------------
+
+
+def test_cost_model_recovers_a_linear_step_time():
+    model = StepCostModel(window=64)
+    for d in (4, 8, 16, 32, 32, 31):
+        model.observe(d, 0, step_time(d, 0))
+    for d, p in ((32, 100), (30, 400), (0, 1024), (32, 17)):
+        model.observe(d, p, step_time(d, p))
+    a, b, c = model.coefficients()
+    assert (a, b, c) == pytest.approx((A, B, C), rel=1e-6)
+    assert model.decode_step_time(32) == pytest.approx(A + 32 * B)
+    # 1.5x a decode-only step leaves half of one for prefill tokens.
+    assert model.max_prefill_tokens(32, 1.5) == int(0.5 * (A + 32 * B) / C)
+    assert model.max_prefill_tokens(32, 2.0) == int((A + 32 * B) / C)
+
+
+def test_cost_model_trusts_nothing_before_both_kinds_of_step():
+    model = StepCostModel()
+    assert model.max_prefill_tokens(32, 1.5) is None
+    for _ in range(10):
+        model.observe(32, 0, 0.05)
+    assert model.max_prefill_tokens(32, 1.5) is None, "no prefill step seen yet"
+    model.observe(0, 512, 0.2)
+    model.observe(32, 64, 0.07)
+    assert model.max_prefill_tokens(32, 1.5) is not None
+    # Steps without a time (a worker that reports none) and empty steps teach nothing.
+    fresh = StepCostModel()
+    fresh.observe(32, 0, 0.0)
+    fresh.observe(0, 0, 0.1)
+    assert fresh.coefficients() is None
+
+
+def test_cost_model_forgets_steps_older_than_its_window():
+    model = StepCostModel(window=8)
+    for _ in range(8):
+        model.observe(32, 0, 0.05)
+        model.observe(32, 100, 0.05 + 100 * 0.01)  # a slow machine...
+    for _ in range(8):
+        model.observe(32, 0, 0.05)
+        model.observe(32, 100, 0.05 + 100 * 0.001)  # ...that got 10x faster
+    assert model.coefficients()[2] == pytest.approx(0.001)
+
+
+# -- the scheduler's policy --------------------------------------------------------------------
+
+
+def long_prompt_steps(h: TimedHarness, rid: str) -> list[int]:
+    return [i for i, s in enumerate(h.steps) if rid in s and not s[rid][1]]
+
+
+def test_with_streams_decoding_a_long_prompt_is_capped_to_the_itl_ratio():
+    h = TimedHarness()
+    streams = h.decode_streams(32, 200)
+    decode_only = step_time(32, 0)
+    cap = int(0.5 * decode_only / C)  # 106 tokens
+    long = h.add("long", 3000, 4)
+    h.run()
+    steps = long_prompt_steps(h, "long")
+    # Every step that carried a chunk of it, bar the first (no prefill timing yet
+    # in this run: the streams' own prompts were prefilled with nothing decoding,
+    # which is timing enough), stayed within 1.5x of a decode-only step.
+    assert len(steps) >= 3000 // cap
+    for i in steps:
+        n, _ = h.steps[i]["long"]
+        assert n <= cap, (i, n)
+        assert h.times[i] <= 1.5 * decode_only * 1.001
+        assert sum(1 for _, d in h.steps[i].values() if d) == 32, "a stream skipped a step"
+    assert long.output_token_ids == expected_output(long.prompt_token_ids, 4)
+    for s in streams:
+        assert s.output_token_ids == expected_output(s.prompt_token_ids, 200)
+    # Without the cap the same prompt goes through in two 2,048-token steps.
+    assert h.sched.prefill_token_cap() == BUDGET, "nothing decodes any more: whole budget"
+
+
+def test_several_waiting_prompts_share_one_cap():
+    h = TimedHarness()
+    h.decode_streams(8, 120)
+    arrived = len(h.steps)
+    for i in range(3):
+        h.add(f"p{i}", 400, 1)
+    h.run()
+    h.assert_caps_held()
+    h.assert_itl_ratio_held(arrived)
+    # Several prompts in one step at times, but never more than one cap together.
+    assert any(sum(not d for _, d in h.steps[i].values()) > 1 for i in range(arrived, len(h.steps)))
+    assert max(h.prefill_tokens(i) for i in range(arrived, len(h.steps))) <= 0.5 * step_time(9, 0) / C
+    assert not h.sched.requests
+
+
+def test_with_nothing_decoding_a_prompt_gets_the_whole_budget():
+    h = TimedHarness()
+    h.decode_streams(4, 3)
+    h.run()  # the cost model is trained and the streams are done
+    assert h.sched.step_cost.coefficients() is not None
+    h.add("long", 5000, 2)
+    h.run()
+    assert [h.steps[i]["long"][0] for i in long_prompt_steps(h, "long")] == [2048, 2048, 904]
+
+
+def test_ratio_zero_turns_the_cap_off():
+    h = TimedHarness(chunked_prefill_itl_ratio=0)
+    h.decode_streams(32, 40)
+    h.add("long", 3000, 1)
+    h.run()
+    chunks = [h.steps[i]["long"][0] for i in long_prompt_steps(h, "long")]
+    assert chunks[0] == BUDGET - 32, "the whole budget, less the 32 decodes"
+
+
+def test_the_cap_never_drops_below_one_block():
+    # A worker whose prefill steps are 100x slower than the model says: the
+    # cap would be 0 tokens, but prompts must still progress.
+    h = TimedHarness()
+    h.decode_streams(4, 300)
+    h.sched.step_cost.observe(4, 10, 100.0)
+    h.sched.step_cost.observe(4, 10, 100.0)
+    assert h.sched.step_cost.max_prefill_tokens(4, 1.5) == 0
+    assert h.sched.prefill_token_cap() == BS
+    long = h.add("long", 200, 1)
+    for _ in range(3):
+        h.step()
+    assert [h.steps[i]["long"][0] for i in long_prompt_steps(h, "long")] == [BS] * 3
+    h.run()
+    assert long.output_token_ids == expected_output(long.prompt_token_ids, 1)
+
+
+def test_without_chunked_prefill_the_cap_does_not_apply():
+    h = TimedHarness(enable_chunked_prefill=False)
+    h.decode_streams(8, 40)
+    h.add("long", 1500, 1)
+    h.run()
+    assert [h.steps[i]["long"][0] for i in long_prompt_steps(h, "long")] == [1500]
+
+
+def test_preemption_under_the_cap_repeats_and_loses_nothing():
+    h = TimedHarness(num_blocks=40, max_num_seqs=16)
+    reqs = [h.add(f"r{i}", 40 + 23 * i, 30 + 7 * i) for i in range(10)]
+    h.run()
+    assert h.sched.stats.num_preemptions > 0
+    assert h.sched.step_cost.coefficients() is not None, "the cap was in force"
+    h.assert_caps_held()
+    assert any(cap < BUDGET for cap in h.caps)
+    for r in reqs:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens)
+    assert h.kv.block_pool.num_free_blocks == 40
+
+
+def test_prefix_cache_hits_are_not_charged_to_the_cap():
+    h = TimedHarness()
+    shared = [(7 * i) % 4000 + 10 for i in range(1024)]
+    first = h.add("first", shared + [1, 2, 3], 1)
+    h.run()  # nothing decoding: one step; its full blocks stay cached
+    h.decode_streams(32, 60)
+    second = h.add("second", shared + [4, 5, 6], 1)
+    h.run()
+    h.assert_caps_held()
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 1024
+    # Only the 3 tokens past the cached blocks were computed for "second", in one step.
+    assert [h.steps[i]["second"][0] for i in long_prompt_steps(h, "second")] == [3]
+    assert second.output_token_ids == expected_output(second.prompt_token_ids, 1)
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [0.5, 1.0, -1.0, float("nan"), float("inf")])
+def test_bad_itl_ratio_is_refused(ratio: float):
+    with pytest.raises(ValueError, match="chunked_prefill_itl_ratio"):
+        SchedulerConfig(chunked_prefill_itl_ratio=ratio)
+
+
+def test_cli_flag_reaches_the_scheduler_config():
+    import argparse
+
+    from aioengine.entrypoints.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--chunked-prefill-itl-ratio", "1.25"])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config.scheduler.chunked_prefill_itl_ratio == 1.25
+    assert SchedulerConfig().chunked_prefill_itl_ratio == 1.5
+    assert "--chunked-prefill-itl-ratio" in parser.format_help()
