@@ -48,19 +48,26 @@ from bench.common import (
     BenchServer,
     LoadTracker,
     latency_summary,
+    percentile,
     synthetic_workload,
     write_results,
 )
 from bench.serving import Endpoint, RequestResult, engine_stats, sse_request, stats_delta
 
-MODES = ("on", "off")
+MODES = ("on", "fixed", "off")
+LABELS = {"on": "chunked prefill, ITL-ratio cap", "fixed": "chunked prefill, fixed budget",
+          "off": "chunked prefill off"}
 
 
 def server_args(mode: str, args: argparse.Namespace) -> list[str]:
     common = ["--dtype", args.dtype, "--num-threads", str(args.threads), "--log-level", "warning",
               *args.server_arg]
     if mode == "on":
-        return [*common, "--max-num-batched-tokens", str(args.chunk_budget)]
+        return [*common, "--max-num-batched-tokens", str(args.chunk_budget),
+                *(["--chunked-prefill-itl-ratio", str(args.itl_ratio)] if args.itl_ratio else [])]
+    if mode == "fixed":
+        return [*common, "--max-num-batched-tokens", str(args.chunk_budget),
+                "--chunked-prefill-itl-ratio", "0"]
     return [*common, "--no-enable-chunked-prefill",
             "--max-num-batched-tokens", str(args.no_chunk_budget)]
 
@@ -123,6 +130,9 @@ async def run_mode(endpoint: Endpoint, args: argparse.Namespace, seed: int) -> d
         "itl_before_long_prompts": latency_summary(itl_before),
         "itl_during_long_prompts": latency_summary(itl_during),
         "itl_max_during_ms": round(1000 * max(itl_during, default=float("nan")), 3),
+        "itl_p99_over_p50_during": round(percentile(sorted(itl_during), 99)
+                                         / percentile(sorted(itl_during), 50), 3)
+        if itl_during else float("nan"),
         "long_prompt_ttft": latency_summary(r.ttft_s for r in long_results if r.ok),
         "duration_s": round(time.perf_counter() - t0, 3),
         "engine_stats": stats_delta(before, after),
@@ -141,7 +151,7 @@ def plot(report: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     for mode, res in report["modes"].items():
-        label = f"chunked prefill {mode}"
+        label = LABELS[mode]
         during = sorted(itl for t, itl in res["itl_samples_ms"]
                         if t > (res["long_sent_ms"] or [float("inf")])[0])
         if during:
@@ -160,9 +170,11 @@ def plot(report: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     a, load = report["args"], report["load"]
-    fig.suptitle(f"aioengine {a['dtype']}; long prompts {a['long_prompt_len']} tokens every "
-                 f"{a['long_prompt_interval']} s; budget {a['chunk_budget']} (on) / "
-                 f"{a['no_chunk_budget']} (off); load avg {load['loadavg_1m_min']:.1f}-"
+    lo, hi = a["long_prompt_len"]
+    fig.suptitle(f"aioengine {a['dtype']}; new {lo}-{hi}-token prompts every "
+                 f"{a['long_prompt_interval']} s ({a['arrivals']}); --max-num-batched-tokens "
+                 f"{a['chunk_budget']} (off: {a['no_chunk_budget']}); load avg "
+                 f"{load['loadavg_1m_min']:.1f}-"
                  f"{load['loadavg_1m_max']:.1f}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -171,10 +183,13 @@ def plot(report: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="on,off", help="chunked prefill on, off, or both")
-    p.add_argument("--url-on", default=None, help="existing server with chunked prefill on")
-    p.add_argument("--url-off", default=None, help="existing server with chunked prefill off")
-    p.add_argument("--api-key", default=None, help="for --url-on / --url-off")
+    p.add_argument("--modes", default="on,fixed",
+                   help="comma-separated: on (chunked prefill, the server's ITL-ratio cap), "
+                        "fixed (chunked prefill, no cap: --chunked-prefill-itl-ratio 0), off")
+    p.add_argument("--url-on", default=None, help="existing server for mode 'on'")
+    p.add_argument("--url-fixed", default=None, help="existing server for mode 'fixed'")
+    p.add_argument("--url-off", default=None, help="existing server for mode 'off'")
+    p.add_argument("--api-key", default=None, help="for --url-*")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--server-arg", action="append", default=[],
@@ -191,7 +206,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="new prompts as a Poisson process or at a fixed interval")
     p.add_argument("--max-long-prompts", type=int, default=128)
     p.add_argument("--chunk-budget", type=int, default=2048,
-                   help="--max-num-batched-tokens with chunked prefill on")
+                   help="--max-num-batched-tokens with chunked prefill (on, fixed)")
+    p.add_argument("--itl-ratio", type=float, default=None,
+                   help="--chunked-prefill-itl-ratio of mode 'on' (default: the server's)")
     p.add_argument("--no-chunk-budget", type=int, default=2048,
                    help="--max-num-batched-tokens with chunked prefill off (>= long prompt)")
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds per mode")
@@ -224,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}")
         load.sample()
-        url = args.url_on if mode == "on" else args.url_off
+        url = getattr(args, f"url_{mode}")
         with contextlib.ExitStack() as stack:
             if url:
                 endpoint = Endpoint(url.rstrip("/"), args.api_key)
@@ -232,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 log = Path(tempfile.mkdtemp(prefix="aioengine-bench-")) / f"server-{mode}.log"
                 flags = server_args(mode, args)
-                print(f"chunked prefill {mode}: serve {' '.join(flags)} (log {log})", flush=True)
+                print(f"{LABELS[mode]}: serve {' '.join(flags)} (log {log})", flush=True)
                 server = stack.enter_context(BenchServer(flags, log))
                 endpoint = Endpoint(server.base_url)
                 report["modes"][mode] = {"server_args": flags}
@@ -252,9 +269,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_mode(mode: str, r: dict) -> None:
     d, b, lt = r["itl_during_long_prompts"], r["itl_before_long_prompts"], r["long_prompt_ttft"]
-    print(f"chunked prefill {mode:>3}: streams {r['streams_completed']}/{r['num_streams']}, "
+    print(f"{LABELS[mode]}: streams {r['streams_completed']}/{r['num_streams']}, "
           f"long prompts {r['long_prompts_completed']}/{r['long_prompts_sent']}; "
-          f"ITL during p50 {d['p50_ms']:.0f} ms, p99 {d['p99_ms']:.0f} ms, "
+          f"ITL during p50 {d['p50_ms']:.0f} ms, p99 {d['p99_ms']:.0f} ms "
+          f"({r['itl_p99_over_p50_during']:.2f}x), "
           f"max {r['itl_max_during_ms']:.0f} ms (before: p50 {b['p50_ms']:.0f}, "
           f"p99 {b['p99_ms']:.0f} ms); long prompt TTFT p50 {lt['p50_ms']:.0f} ms", flush=True)
 

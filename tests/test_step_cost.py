@@ -62,7 +62,8 @@ class TimedHarness:
         for i in range(start, len(self.steps)):
             num_decodes = sum(is_decode for _, is_decode in self.steps[i].values())
             if num_decodes:
-                assert self.times[i] <= ratio * step_time(num_decodes, 0) * 1.001, (i, self.steps[i])
+                bound = ratio * step_time(num_decodes, 0) * 1.001
+                assert self.times[i] <= bound, (i, self.steps[i])
 
     def assert_caps_held(self) -> None:
         for i in range(len(self.steps)):
@@ -200,8 +201,9 @@ def test_several_waiting_prompts_share_one_cap():
     h.assert_caps_held()
     h.assert_itl_ratio_held(arrived)
     # Several prompts in one step at times, but never more than one cap together.
-    assert any(sum(not d for _, d in h.steps[i].values()) > 1 for i in range(arrived, len(h.steps)))
-    assert max(h.prefill_tokens(i) for i in range(arrived, len(h.steps))) <= 0.5 * step_time(9, 0) / C
+    after = range(arrived, len(h.steps))
+    assert any(sum(not d for _, d in h.steps[i].values()) > 1 for i in after)
+    assert max(h.prefill_tokens(i) for i in after) <= 0.5 * step_time(9, 0) / C
     assert not h.sched.requests
 
 
