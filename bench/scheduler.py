@@ -1,31 +1,38 @@
-"""Inter-token latency of running streams while long prompts keep arriving,
-chunked prefill on against off, in one run (issue 4's scheduler benchmark).
+"""Inter-token latency of decoding streams while new prompts keep arriving:
+the chunked-prefill token budget (issue 4's scheduler benchmark; issue 16's
+"ITL p99 under 2x ITL p50 with 32 streams decoding and new prompts arriving").
 
-For each mode a server is started (or ``--url-on`` / ``--url-off`` is used):
+For each mode a server is started (or ``--url-MODE`` is used):
 
-1. ``--num-streams`` (16) streaming completions start together (short
-   random-token prompts, ``--stream-output-len`` tokens each, greedy,
+1. ``--num-streams`` (32) streaming completions start together (short
+   random-token prompts, ``--stream-output-len`` (512) tokens each, greedy,
    ``ignore_eos``, over SSE).
-2. Once every stream has its first token, a long prompt
-   (``--long-prompt-len`` random tokens, distinct, so the prefix cache
-   cannot help) arrives every ``--long-prompt-interval`` seconds until the
-   streams are done (or ``--time-limit``).
-3. The streams' inter-token latencies (ITL) are split into "before" (no long
-   prompt sent yet) and "during" (the gap ends after the first long prompt
-   was sent); p50/p90/p99/max of each are reported, with the long prompts'
-   own TTFT.
+2. Once every stream has its first token, new prompts arrive, a Poisson
+   process with a mean gap of ``--long-prompt-interval`` (6 s;
+   ``--arrivals fixed`` for a fixed gap), each ``--long-prompt-len`` MIN MAX
+   (300-1,500, uniform) random tokens, distinct, so the prefix cache cannot
+   help, asking for ``--long-max-tokens`` (1) token, until the streams are
+   done (or ``--time-limit``).
+3. The streams' inter-token latencies (ITL) are split into "before" (no new
+   prompt sent yet) and "during" (the gap ends after the first one was sent);
+   p50/p90/p99/max of each and p99/p50 during are reported, with the new
+   prompts' TTFT.
 
-Modes:
+Modes (all ``--max-num-batched-tokens CHUNK_BUDGET``, default 2048, the
+server's default):
 
-- ``on``: ``--max-num-batched-tokens CHUNK_BUDGET`` (default 256): a long
-  prompt is cut into chunks that share steps with the 16 decodes.
+- ``on``: the server's default: while requests decode, a step's prompt tokens
+  are capped so it is predicted to take at most ``--chunked-prefill-itl-ratio``
+  (1.5; ``--itl-ratio`` to set it) times a decode-only step.
+- ``fixed``: ``--chunked-prefill-itl-ratio 0``: any step may fill the whole
+  budget (the engine before the cap).
 - ``off``: ``--no-enable-chunked-prefill --max-num-batched-tokens
-  NO_CHUNK_BUDGET`` (default 2048; it must hold a whole long prompt): the
-  whole prompt goes through in one step and the streams wait for it.
+  NO_CHUNK_BUDGET`` (it must hold a whole prompt): a prompt goes through in
+  one step and the streams wait for it.
 
 Usage:
-    python bench/scheduler.py
-    python bench/scheduler.py --long-prompt-len 2048 --chunk-budget 512
+    python bench/scheduler.py                      # on, fixed: ~4 min on 2 idle cores
+    python bench/scheduler.py --modes on,fixed,off --no-chunk-budget 2048
 Writes bench/results/scheduler.json and scheduler_itl_chunked_prefill.png.
 """
 
@@ -200,7 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-prompt-len", type=int, nargs="+", default=[300, 1500],
                    metavar="LEN", help="new prompts' length, or MIN MAX: uniform (tokens)")
     p.add_argument("--long-max-tokens", type=int, default=1)
-    p.add_argument("--long-prompt-interval", type=float, default=1.5,
+    p.add_argument("--long-prompt-interval", type=float, default=6.0,
                    help="mean seconds between new prompts")
     p.add_argument("--arrivals", choices=["poisson", "fixed"], default="poisson",
                    help="new prompts as a Poisson process or at a fixed interval")

@@ -23,7 +23,10 @@ prefill tokens (prompt chunks, recomputation after a preemption, drafts).
 decode-only steps, ``c`` the least-squares slope through the origin of the
 last ``window`` prefill steps' time beyond ``a + b * D``. Decode-only and
 prefill steps are kept apart so a long run of either does not push the other
-out of the window. Where the decode-only steps cannot place the line (all of
+out of the window. A mixed step also pays a cost per step (its decode rows
+leave the decode-only fast path), which the slope through the origin charges
+to its tokens: at a steady chunk size that is exact, and the cap settles
+where the step's whole time meets the ratio. Where the decode-only steps cannot place the line (all of
 one batch size, or a fit with a negative part) it goes through the origin
 (``a = 0``): that errs toward a smaller cap, never a longer step, as it
 charges the intercept of a prefill-only step to its tokens and predicts less
@@ -86,8 +89,13 @@ class StepCostModel:
         a = mean_t - b * mean_d
         if a < 0 or b < 0:  # one batch size, or noise (a shared machine)
             a, b = 0.0, mean_t / mean_d
-        num = sum(p * (t - a - b * d) for d, p, t in self._prefill_steps)
-        den = sum(p * p for _, p, _ in self._prefill_steps)
+        # Mixed steps (prefill beside decodes) are the ones the cap governs, and
+        # they cost more than a prefill-only step of as many tokens: the decode
+        # rows leave the decode-only fast path. Prefill-only steps count only
+        # while no mixed step is known.
+        steps = [s for s in self._prefill_steps if s[0] > 0] or self._prefill_steps
+        num = sum(p * (t - a - b * d) for d, p, t in steps)
+        den = sum(p * p for _, p, _ in steps)
         # A prefill token always costs something; the floor keeps the cap finite
         # when noise (a shared machine) makes the slope come out at or below 0.
         c = max(num / den, 1e-9)
