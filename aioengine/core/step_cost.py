@@ -26,11 +26,12 @@ prefill steps are kept apart so a long run of either does not push the other
 out of the window. A mixed step also pays a cost per step (its decode rows
 leave the decode-only fast path), which the slope through the origin charges
 to its tokens: at a steady chunk size that is exact, and the cap settles
-where the step's whole time meets the ratio. Where the decode-only steps cannot place the line (all of
-one batch size, or a fit with a negative part) it goes through the origin
-(``a = 0``): that errs toward a smaller cap, never a longer step, as it
-charges the intercept of a prefill-only step to its tokens and predicts less
-time, not more, for a smaller batch.
+where the step's whole time meets the ratio; the slope is fitted to mixed
+steps only once there are any. Where the decode-only steps cannot place the
+line (all of one batch size, or a fit with a negative part) it goes through
+the origin (``a = 0``): that errs toward a smaller cap, never a longer step,
+as it charges the intercept of a prefill-only step to its tokens and predicts
+less time, not more, for a smaller batch.
 """
 
 from __future__ import annotations
