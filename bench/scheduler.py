@@ -31,7 +31,7 @@ server's default):
   one step and the streams wait for it.
 
 Usage:
-    python bench/scheduler.py                      # on, fixed: ~4 min on 2 idle cores
+    python bench/scheduler.py --time-limit 240     # on, fixed: 2-10 min on 2 cores
     python bench/scheduler.py --modes on,fixed,off --no-chunk-budget 2048
 Writes bench/results/scheduler.json and scheduler_itl_chunked_prefill.png.
 """
