@@ -301,3 +301,19 @@ def test_cli_flag_reaches_the_scheduler_config():
     assert config.scheduler.chunked_prefill_itl_ratio == 1.25
     assert SchedulerConfig().chunked_prefill_itl_ratio == 1.5
     assert "--chunked-prefill-itl-ratio" in parser.format_help()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.01])
+def test_a_step_time_that_is_not_a_positive_number_is_ignored(bad):
+    """Regression: a NaN or inf step time (a remote worker's report) entered the
+    window, the fit came out NaN and ``max_prefill_tokens`` raised ValueError (int of
+    NaN) in every ``schedule()`` until it left the window."""
+    model, clean = StepCostModel(), StepCostModel()
+    for m in (model, clean):
+        m.observe(4, 0, 0.01)
+        m.observe(8, 0, 0.02)
+        m.observe(4, 100, 0.05)
+    model.observe(4, 0, bad)
+    model.observe(4, 50, bad)
+    assert model.coefficients() == clean.coefficients()
+    assert model.max_prefill_tokens(4, 1.5) == clean.max_prefill_tokens(4, 1.5) > 0

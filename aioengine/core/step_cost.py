@@ -36,6 +36,7 @@ less time, not more, for a smaller batch.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 # Below this many samples of each kind the estimate is not trusted (None).
@@ -61,9 +62,12 @@ class StepCostModel:
         self._stale = False
 
     def observe(self, num_decode_rows: int, num_prefill_tokens: int, step_time: float) -> None:
-        """Record one step the worker ran: its shape and its time in seconds."""
-        if step_time <= 0 or num_decode_rows + num_prefill_tokens <= 0:
-            return  # an empty step, or a worker that reports no time
+        """Record one step the worker ran: its shape and its time in seconds. A time
+        that is not a positive finite number (no time reported, a clock that went
+        back, NaN or inf from a worker) is ignored: one would poison the window's
+        fit, and the scheduler's cap with it, for ``window`` steps."""
+        if not 0 < step_time < math.inf or num_decode_rows + num_prefill_tokens <= 0:
+            return  # an empty step, or a worker that reports no usable time
         if num_prefill_tokens:
             self._prefill_steps.append((num_decode_rows, num_prefill_tokens, step_time))
         else:
