@@ -159,7 +159,8 @@ class SchedulerConfig:
         chunked_prefill_itl_ratio: while requests are decoding, a step's prefill
             tokens are capped so that its predicted time is at most this many
             times a decode-only step's: the decoding requests' inter-token
-            latency (ITL) grows by at most this factor while prompts arrive.
+            latency (ITL) grows to at most this many times its decode-only value
+            while prompts arrive.
             The prediction is fitted to the worker's measured step times
             (``aioengine.core.step_cost``); the cap is never below one KV block
             (prompts always progress), and with nothing decoding a prompt gets
@@ -185,13 +186,16 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        # LLM(async_scheduling="off") must not read as on (a non-empty string is truthy).
+        object.__setattr__(self, "async_scheduling",
+                           parse_async_scheduling(self.async_scheduling, "async_scheduling"))
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         ratio = self.chunked_prefill_itl_ratio
         if ratio != 0 and not 1 < ratio < float("inf"):  # NaN fails too
-            raise ValueError(f"chunked_prefill_itl_ratio must be 0 (off) or a finite number "
-                             f"above 1, got {ratio}")
+            raise ValueError(f"chunked_prefill_itl_ratio (--chunked-prefill-itl-ratio) must be 0 "
+                             f"(no cap) or a finite number above 1, got {ratio}")
 
 
 @dataclass(frozen=True)
@@ -330,15 +334,30 @@ class EngineConfig:
                    speculative=speculative)
 
 
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+ASYNC_SCHEDULING_WORDS = {"on": True, "1": True, "true": True, "yes": True,
+                          "off": False, "0": False, "false": False, "no": False, "auto": None}
+
+
+def parse_async_scheduling(value: object, where: str) -> bool | None:
+    """``True``/``False``/``None`` (auto) from a bool, None or one of
+    ``ASYNC_SCHEDULING_WORDS`` (``on``/``off``/``auto``, ``1``/``0``, ...).
+
+    Raises:
+        ValueError: anything else, naming ``where`` the value came from.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word not in ASYNC_SCHEDULING_WORDS:
+        raise ValueError(f"{where} must be on, off or auto (or 1/0), got {value!r}")
+    return ASYNC_SCHEDULING_WORDS[word]
 
 
 def resolve_async_scheduling(config: EngineConfig) -> tuple[bool, str]:
     """Whether async scheduling runs, and why (for the log).
 
     An explicit ``True``/``False`` stands. Auto (None): the environment's
-    ``AIOENGINE_ASYNC_SCHEDULING`` (1/true/yes or 0/false/no) if set, else on when
+    ``AIOENGINE_ASYNC_SCHEDULING`` (on/1/true/yes or off/0/false/no; auto or unset: the rule) if set, else on when
     the CPUs this process may run on (``os.sched_getaffinity``) outnumber the
     torch threads of this host's worker processes: overlapping the engine's
     Python with the step only pays when it does not take a core from the step
@@ -347,10 +366,11 @@ def resolve_async_scheduling(config: EngineConfig) -> tuple[bool, str]:
     """
     chosen = config.scheduler.async_scheduling
     if chosen is not None:
-        return chosen, "set"
+        return chosen, "set explicitly"
     env = os.environ.get("AIOENGINE_ASYNC_SCHEDULING", "").strip().lower()
-    if env:
-        return env_flag("AIOENGINE_ASYNC_SCHEDULING"), f"AIOENGINE_ASYNC_SCHEDULING={env}"
+    from_env = parse_async_scheduling(env, "AIOENGINE_ASYNC_SCHEDULING") if env else None
+    if from_env is not None:
+        return from_env, f"AIOENGINE_ASYNC_SCHEDULING={env}"
     p = config.parallel
     if p.executor == "inproc":
         return False, "auto: the in-process executor runs a step when its output is asked for"
@@ -359,4 +379,5 @@ def resolve_async_scheduling(config: EngineConfig) -> tuple[bool, str]:
     workers = p.tensor_parallel_size // p.nnodes * p.data_parallel_size  # on this host
     # 0 threads: torch's default takes every CPU (one worker) or an equal share.
     threads = workers * (p.num_threads or max(1, cpus // workers))
-    return cpus > threads, f"auto: {cpus} CPUs, {threads} worker threads"
+    return cpus > threads, (f"auto: {cpus} CPU{'s' * (cpus != 1)}, {threads} worker "
+                            f"thread{'s' * (threads != 1)}")

@@ -243,6 +243,20 @@ def test_auto_turns_async_scheduling_on_only_with_a_cpu_to_spare(monkeypatch):
     assert on() and on(executor="inproc") and not on(async_scheduling=False)
     monkeypatch.setenv("AIOENGINE_ASYNC_SCHEDULING", "0")
     assert not on(num_threads=1) and on(async_scheduling=True)
+    # The CLI's own words work in the environment and in LLM(...); "auto" keeps the rule;
+    # anything else is refused rather than read as off (or, for a string, as on).
+    monkeypatch.setenv("AIOENGINE_ASYNC_SCHEDULING", "on")
+    assert on(num_threads=4)
+    monkeypatch.setenv("AIOENGINE_ASYNC_SCHEDULING", "auto")
+    assert on(num_threads=1) and not on(num_threads=4)
+    monkeypatch.setenv("AIOENGINE_ASYNC_SCHEDULING", "maybe")
+    with pytest.raises(ValueError, match="AIOENGINE_ASYNC_SCHEDULING must be on, off or auto"):
+        on(num_threads=1)
+    monkeypatch.delenv("AIOENGINE_ASYNC_SCHEDULING")
+    assert not on(async_scheduling="off", num_threads=1) and on(async_scheduling="on")
+    assert on(async_scheduling="auto", num_threads=1)
+    with pytest.raises(ValueError, match="async_scheduling must be on, off or auto"):
+        on(async_scheduling="maybe")
 
 
 def test_cli_async_scheduling_flag():

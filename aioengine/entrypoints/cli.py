@@ -72,17 +72,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-itl-ratio", type=float, default=1.5, metavar="RATIO",
                    help="while requests decode, cap a step's prefill tokens so the step is "
                         "predicted (from measured step times) to take at most RATIO times a "
-                        "decode-only step: decoding streams' ITL grows by at most RATIO while "
-                        "prompts arrive; with nothing decoding a prompt gets the whole "
-                        "--max-num-batched-tokens. 0: no cap (default: %(default)s)")
+                        "decode-only step: decoding streams' ITL grows to at most RATIO times "
+                        "its usual value while prompts arrive; with nothing decoding a prompt "
+                        "gets the whole --max-num-batched-tokens. 0 (no cap) or above 1 "
+                        "(default: %(default)s)")
     g.add_argument("--async-scheduling", nargs="?", const="on", default="auto",
                    choices=["auto", "on", "off"],
                    help="schedule the next step while the worker runs this one (vLLM's flag; "
                         "alone: on). auto (the default) turns it on only when this host has "
                         "a CPU to spare beyond the workers' torch threads (e.g. --num-threads "
-                        "below the CPUs this process may use), since on a CPU whose cores all "
-                        "compute the step the engine's work slows it; env "
-                        "AIOENGINE_ASYNC_SCHEDULING=0/1 decides auto instead. The log says "
+                        "below the CPUs this process may use): when every core runs the step, "
+                        "the engine's extra work slows it down; env "
+                        "AIOENGINE_ASYNC_SCHEDULING=on/off decides auto instead. The log says "
                         "which was chosen (docs/troubleshooting.md)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const",
                    const="off", help="same as --async-scheduling off")
