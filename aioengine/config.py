@@ -166,7 +166,10 @@ class SchedulerConfig:
             (prompts always progress), and with nothing decoding a prompt gets
             the whole ``max_num_batched_tokens`` (TTFT). 0 turns the cap off:
             every step may fill ``max_num_batched_tokens``. Only with chunked
-            prefill on. Default 1.5 (bench/README.md, "Scheduler").
+            prefill on. Default 0 (off): the cap throttles a burst of new
+            requests to about one short prompt a step while others decode, and
+            triples new prompts' TTFT on the default model (bench/README.md,
+            "Scheduler"); 1.5 holds ITL p99 near 2x p50 while prompts arrive.
         async_scheduling: schedule step N+1 while the worker runs step N (vLLM v1's
             ``--async-scheduling``): every decoding request is assumed to get one
             more token, the worker feeds step N+1 from its own step-N samples, and
@@ -182,7 +185,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_waiting_requests: int = 1024
     enable_chunked_prefill: bool = True
-    chunked_prefill_itl_ratio: float = 1.5
+    chunked_prefill_itl_ratio: float = 0.0
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -357,8 +360,8 @@ def resolve_async_scheduling(config: EngineConfig) -> tuple[bool, str]:
     """Whether async scheduling runs, and why (for the log).
 
     An explicit ``True``/``False`` stands. Auto (None): the environment's
-    ``AIOENGINE_ASYNC_SCHEDULING`` (on/1/true/yes or off/0/false/no; auto or unset: the rule) if set, else on when
-    the CPUs this process may run on (``os.sched_getaffinity``) outnumber the
+    ``AIOENGINE_ASYNC_SCHEDULING`` (on/1/true/yes or off/0/false/no; auto: the
+    rule below) if set, else on when the CPUs this process may run on (``os.sched_getaffinity``) outnumber the
     torch threads of this host's worker processes: overlapping the engine's
     Python with the step only pays when it does not take a core from the step
     (on 2 cores with 2 worker threads it cost 2-4% of output tok/s). Off with

@@ -214,8 +214,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-long-prompts", type=int, default=128)
     p.add_argument("--chunk-budget", type=int, default=2048,
                    help="--max-num-batched-tokens with chunked prefill (on, fixed)")
-    p.add_argument("--itl-ratio", type=float, default=None,
-                   help="--chunked-prefill-itl-ratio of mode 'on' (default: the server's)")
+    p.add_argument("--itl-ratio", type=float, default=1.5,
+                   help="--chunked-prefill-itl-ratio of mode 'on' (default: %(default)s)")
     p.add_argument("--no-chunk-budget", type=int, default=2048,
                    help="--max-num-batched-tokens with chunked prefill off (>= long prompt)")
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds per mode")

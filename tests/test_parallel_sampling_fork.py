@@ -416,6 +416,11 @@ def test_a_tiny_kv_cache_preempts_forked_children_and_changes_no_sample(qwen2):
 # -- the HTTP server --------------------------------------------------------------------
 
 
+# No child may end at its first token (an EOS draw) before writing into the shared
+# partial block: the copy count below would then depend on the seeds' draws.
+EVERY_CHILD_WRITES = {"ignore_eos": True}
+
+
 def test_openai_client_n3_completions_fork_and_keep_each_seed(server):
     """``n: 3`` on /v1/completions through the openai client: three samples, each
     the one its seed (``seed + index``) gives alone, the prompt's partial block
@@ -427,21 +432,24 @@ def test_openai_client_n3_completions_fork_and_keep_each_seed(server):
     prompt_text = "Write a short story about a lighthouse keeper and a storm."
     copies = server.stats()["num_cow_copies"]
     together = client.completions.create(
-        model=model, prompt=prompt_text, n=3, seed=9, temperature=1.0, max_tokens=10
+        model=model, prompt=prompt_text, n=3, seed=9, temperature=1.0, max_tokens=10,
+        extra_body=EVERY_CHILD_WRITES,
     )
     assert server.stats()["num_cow_copies"] - copies == 2
     texts = [c.text for c in sorted(together.choices, key=lambda c: c.index)]
     assert [c.index for c in sorted(together.choices, key=lambda c: c.index)] == [0, 1, 2]
     alone = [
         client.completions.create(
-            model=model, prompt=prompt_text, seed=9 + i, temperature=1.0, max_tokens=10
+            model=model, prompt=prompt_text, seed=9 + i, temperature=1.0, max_tokens=10,
+        extra_body=EVERY_CHILD_WRITES,
         )
         for i in range(3)
     ]
     assert texts == [a.choices[0].text for a in alone] and len(set(texts)) == 3
     assert together.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
     stream = client.completions.create(
-        model=model, prompt=prompt_text, n=3, seed=9, temperature=1.0, max_tokens=10, stream=True
+        model=model, prompt=prompt_text, n=3, seed=9, temperature=1.0, max_tokens=10, stream=True,
+        extra_body=EVERY_CHILD_WRITES,
     )
     streamed = ["", "", ""]
     for chunk in stream:

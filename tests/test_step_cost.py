@@ -45,6 +45,7 @@ class TimedHarness:
     def __init__(self, num_blocks: int = 4000, time_scale: dict[int, float] | None = None,
                  **config) -> None:
         config.setdefault("max_num_batched_tokens", BUDGET)
+        config.setdefault("chunked_prefill_itl_ratio", 1.5)
         self.kv = KVCacheManager(num_blocks, BS)
         self.sched = Scheduler(SchedulerConfig(**config), self.kv, 100_000, meta)
         self.time_scale = time_scale or {}
@@ -299,7 +300,7 @@ def test_cli_flag_reaches_the_scheduler_config():
     args = parser.parse_args(["--chunked-prefill-itl-ratio", "1.25"])
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     assert config.scheduler.chunked_prefill_itl_ratio == 1.25
-    assert SchedulerConfig().chunked_prefill_itl_ratio == 1.5
+    assert SchedulerConfig().chunked_prefill_itl_ratio == 0  # opt-in: it throttles bursts
     assert "--chunked-prefill-itl-ratio" in parser.format_help()
 
 
