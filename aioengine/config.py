@@ -362,10 +362,14 @@ def resolve_async_scheduling(config: EngineConfig) -> tuple[bool, str]:
     An explicit ``True``/``False`` stands. Auto (None): the environment's
     ``AIOENGINE_ASYNC_SCHEDULING`` (on/1/true/yes or off/0/false/no; auto: the
     rule below) if set, else on when the CPUs this process may run on
-    (``os.sched_getaffinity``) outnumber the torch threads of this host's worker processes: overlapping the engine's
-    Python with the step only pays when it does not take a core from the step
-    (on 2 cores with 2 worker threads it cost 2-4% of output tok/s). Off with
-    the in-process executor, which has no overlap to give.
+    (``os.sched_getaffinity``) outnumber the torch threads of this host's worker
+    processes: overlapping the engine's Python with the step only pays when it
+    does not take a core from the step (on 2 cores with 2 worker threads it cost
+    2-4% of output tok/s). Off with the in-process executor, which has no
+    overlap to give.
+
+    Raises:
+        ValueError: ``AIOENGINE_ASYNC_SCHEDULING`` is none of those words.
     """
     chosen = config.scheduler.async_scheduling
     if chosen is not None:
