@@ -625,13 +625,21 @@ def plot_curve(report: dict, path: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
+    save_figure(fig, report, path)
+
+
+def save_figure(fig, report: dict, path: Path) -> None:
+    """Title ``fig`` with the run's workload, CPU (model and SIMD flags), time and
+    load, and write it to ``path`` as PNG."""
+    import matplotlib.pyplot as plt
+
     a, cpu, load = report["args"], report["cpu"], report["load"]
     machine = textwrap.fill(f"{cpu['model']}: {' '.join(cpu['simd_flags'])}", 120)
+    slots = f"; llama-server -np {report['n_slots']}" if "n_slots" in report else ""
     fig.suptitle(f"{Path(a['model']).name}, {a['threads']} threads both, prompts "
                  f"{a['prompt_len']} tokens, {a['max_tokens']} output tokens, "
-                 f"{a['requests_per_stream']} request(s) per stream; llama-server -np "
-                 f"{report['n_slots']}\n{machine}\n"
-                 f"{report['time']}, load avg {load['loadavg_1m_min']:.1f}-"
+                 f"{a['requests_per_stream']} request(s) per stream{slots}\n{machine}\n"
+                 f"{report.get('time', '')}, load avg {load['loadavg_1m_min']:.1f}-"
                  f"{load['loadavg_1m_max']:.1f}", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -763,15 +771,7 @@ def plot(report: dict, path: Path) -> None:
     ax2.set_ylabel("ms")
     ax2.set_yscale("log")
     ax2.set_title("TTFT p50")
-    a, cpu, load = report["args"], report["cpu"], report["load"]
-    fig.suptitle(f"{Path(a['model']).name}, {a['threads']} threads, prompts {a['prompt_len']} "
-                 f"tokens, {a['max_tokens']} output tokens; load avg "
-                 f"{load['loadavg_1m_min']:.1f}-{load['loadavg_1m_max']:.1f}\n{cpu['model']}: "
-                 f"{' '.join(cpu['simd_flags'])}", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, report, path)
 
 
 def print_targets(report: dict) -> None:

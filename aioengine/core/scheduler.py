@@ -685,7 +685,8 @@ class Scheduler:
             token, ``max_tokens`` or the context length are finished here.
             ``launched``: the step was ``launch``ed (async scheduling).
         """
-        self._observe_step_time(output, runner_output)
+        if self.config.chunked_prefill_itl_ratio and self.config.enable_chunked_prefill:
+            self._observe_step_time(output, runner_output)  # only the cap reads the fit
         if launched is not None:
             return self._update_launched(output, runner_output, launched)
         results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
