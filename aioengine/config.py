@@ -1,6 +1,6 @@
 """Engine configuration: small frozen dataclasses validated on construction.
 
-`EngineConfig` gathers the parts (model, cache, scheduler, parallel) the way
+`EngineConfig` gathers the parts (model, cache, scheduler, parallel, device) the way
 vLLM's `VllmConfig` does, but each part is a plain frozen dataclass that
 checks its own fields in `__post_init__` and raises `ValueError` with the
 offending field named.
@@ -294,12 +294,107 @@ class ParallelConfig:
         return NodeLayout(self.nnodes, self.node_rank, self.tensor_parallel_size)
 
 
+#: vLLM's default CUDA graph batch sizes (``cudagraph_capture_sizes``): 1, 2, 4, then
+#: every multiple of 8; ``DeviceConfig.capture_sizes`` keeps those up to the largest.
+_CUDAGRAPH_SIZES = (1, 2, 4, *range(8, 1025, 8))
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs, and how decode steps are launched there.
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (vLLM's ``--device``): CUDA when
+            ``torch.cuda.is_available()`` and the rest of the config runs there (one
+            rank, no speculative decoding), else the CPU (``resolve_device``).
+        enforce_eager: never capture CUDA graphs (vLLM's ``--enforce-eager``): every
+            step launches its kernels one by one. No effect on a CPU.
+        max_cudagraph_batch_size: decode steps of up to this many sequences replay a
+            CUDA graph captured for the next batch-size bucket (``capture_sizes``);
+            larger ones, prefill and mixed steps run eagerly. 0: ``max_num_seqs``.
+
+    Raises:
+        ValueError: an unknown device, ``cuda`` where torch sees no CUDA device, or a
+            negative ``max_cudagraph_batch_size``.
+    """
+
+    device: str = "auto"
+    enforce_eager: bool = False
+    max_cudagraph_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device 'cuda' (--device cuda) was asked for, but torch sees "
+                                 f"no CUDA device (torch {torch.__version__}, built for CUDA "
+                                 f"{torch.version.cuda or 'none: a CPU-only build'}); use "
+                                 "--device cpu or auto")
+        if not isinstance(self.max_cudagraph_batch_size, int) or \
+                isinstance(self.max_cudagraph_batch_size, bool) or \
+                self.max_cudagraph_batch_size < 0:
+            raise ValueError("max_cudagraph_batch_size (--max-cudagraph-batch-size) must be a "
+                             "whole number >= 0 (0: max_num_seqs), got "
+                             f"{self.max_cudagraph_batch_size!r}")
+
+    def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """The batch-size buckets CUDA graphs are captured for, ascending: vLLM's sizes
+        (1, 2, 4, 8, 16, 24, ...) up to the largest, which is always a bucket itself
+        (``max_cudagraph_batch_size`` or ``max_num_seqs``, never above ``max_num_seqs``:
+        a step has no more rows). Empty with ``enforce_eager``."""
+        if self.enforce_eager:
+            return ()
+        largest = min(self.max_cudagraph_batch_size or max_num_seqs, max_num_seqs)
+        return tuple(s for s in _CUDAGRAPH_SIZES if s < largest) + (largest,)
+
+
+def resolve_device(config: EngineConfig) -> tuple[str, str]:
+    """``("cpu" | "cuda", why)`` for ``config.device.device`` (why is for the log).
+
+    ``auto`` picks CUDA when torch sees a device and the configuration runs there: tensor
+    parallelism and speculative decoding run on CPUs only today, so they keep ``auto``
+    on the CPU.
+
+    Raises:
+        ValueError: ``cuda`` with tensor parallelism or speculative decoding, or without
+            a CUDA device.
+    """
+    import torch
+
+    requested = config.device.device
+    cpu_only = ("tensor_parallel_size > 1" if config.parallel.tensor_parallel_size > 1
+                else "speculative decoding" if config.speculative is not None else "")
+    if requested == "cpu":
+        return "cpu", "requested"
+    if requested == "cuda":
+        if cpu_only:
+            raise ValueError(f"--device cuda: {cpu_only} runs on CPUs only for now; use "
+                             "--device cpu")
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device")
+        return "cuda", "requested"
+    if not torch.cuda.is_available():
+        return "cpu", "auto: torch sees no CUDA device"
+    if cpu_only:
+        return "cpu", f"auto: {cpu_only} runs on CPUs only"
+    return "cuda", f"auto: {torch.cuda.get_device_name()}"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """All engine settings; the one object handed to the engine and worker.
 
     ``speculative`` (None: off) is vLLM's ``speculative_config``; ``from_kwargs``
-    takes it as ``speculative_config=`` (a dict, JSON string or config).
+    takes it as ``speculative_config=`` (a dict, JSON string or config). ``device``
+    says where the model runs (``DeviceConfig``).
+
+    Raises:
+        ValueError: speculative decoding with tensor parallelism; ``device='cuda'`` with
+            either (``resolve_device``).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -307,8 +402,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:
+        if self.device.device == "cuda":
+            resolve_device(self)  # tensor parallelism, speculation: refused at startup
         if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
                              "supported")
@@ -323,7 +421,8 @@ class EngineConfig:
             TypeError: an argument names no field of any part.
         """
         parts = {"model": ModelConfig, "cache": CacheConfig,
-                 "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+                 "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                 "device": DeviceConfig}
         values: dict[str, dict[str, object]] = {name: {} for name in parts}
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():

@@ -108,6 +108,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-routing", default="prefix",
                    choices=["prefix", "round_robin"],
                    help="how requests are spread over the replicas (default: %(default)s)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs: auto (the default) picks cuda when torch sees "
+                        "a CUDA device, else cpu; cuda without one is refused at startup "
+                        "(docs/gpu.md)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, never capture CUDA graphs: every decode step launches its "
+                        "kernels one by one (vLLM's flag; default: graphs for decode steps)")
+    g.add_argument("--max-cudagraph-batch-size", type=int, default=0, metavar="N",
+                   help="on CUDA, decode steps of up to N sequences replay a CUDA graph "
+                        "captured per batch-size bucket (1, 2, 4, 8, 16, 24, ... N); larger "
+                        "steps run eagerly (default 0: --max-num-seqs)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
@@ -140,6 +151,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "data_parallel_routing": args.data_parallel_routing,
         "standby_worker": args.standby_worker,
         "speculative_config": args.speculative_config,
+        "device": args.device, "enforce_eager": args.enforce_eager,
+        "max_cudagraph_batch_size": args.max_cudagraph_batch_size,
         **_node_kwargs(args),
     }
 
