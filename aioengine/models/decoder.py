@@ -332,6 +332,42 @@ class CausalLM:
             rope_tables=[tables.index(layer.rotary) for layer in self.layers])
         return fused if fused.available else None
 
+    def to_device(self, device: torch.device) -> None:
+        """Put every weight, the RoPE tables and the embedding scale on ``device``, in
+        place (weights already there are not copied; a tied LM head stays the embedding).
+        Off the CPU the C++ decode step is dropped: it reads host memory.
+
+        Raises:
+            ValueError: under tensor parallelism (its collectives run on CPUs).
+        """
+        if self.tp_size > 1:
+            raise ValueError("a tensor-parallel model runs on CPUs only")
+        moved: dict[int, Weight] = {}
+
+        def move(w: Weight) -> Weight:
+            if id(w) not in moved:
+                if isinstance(w, tuple):
+                    moved[id(w)] = tuple(move(p) for p in w)
+                elif isinstance(w, QuantizedWeight):
+                    moved[id(w)] = QuantizedWeight(w.data.to(device), w.qtype, w.shape)
+                else:
+                    moved[id(w)] = w.to(device)
+            return moved[id(w)]
+
+        self.embed_tokens = move(self.embed_tokens)
+        self.lm_head = move(self.lm_head)
+        self.norm = move(self.norm)
+        for layer in self.layers:
+            for name, w in layer.items():
+                if w is not None:
+                    layer[name] = move(w)
+        for rotary in self.rotaries.values():
+            rotary.cos, rotary.sin = rotary.cos.to(device), rotary.sin.to(device)
+        if self.embed_scale is not None:
+            self.embed_scale = self.embed_scale.to(device)
+        if torch.device(device).type != "cpu":
+            self.decode_layers = None
+
     def named_weights(self) -> list[tuple[str, Weight]]:
         """Every weight once (a tied LM head is the embedding), with our names."""
         named = [("embed_tokens", self.embed_tokens), ("norm", self.norm)]
