@@ -13,10 +13,12 @@ import logging
 import time
 from dataclasses import dataclass
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from aioengine.config import EngineConfig
+from aioengine.config import EngineConfig, resolve_device
 from aioengine.distributed import parallel_state as tp
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata, SchedulerOutput
 from aioengine.models import registry
@@ -24,9 +26,10 @@ from aioengine.models.decoder import DecoderArch
 from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.loader import load_hf_config, load_weights
 from aioengine.spec_decode import verifier
-from aioengine.worker.sampler import SamplingBatch, sample
+from aioengine.worker.sampler import SamplingBatch, greedy_tokens, sample
 import triton_kernels
 from triton_kernels import cpu_ops
+from triton_kernels.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +163,38 @@ def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     return requested or model_max
 
 
+def weights_to_device(weights: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``load_weights``' dict with every tensor and ``QuantizedWeight`` on ``device``, in
+    place (returned). ``rope_freqs`` stays on the host: the model builds its RoPE tables
+    there and moves them itself (``CausalLM.to_device``)."""
+    for name, w in weights.items():
+        if name == "rope_freqs":
+            continue
+        if isinstance(w, QuantizedWeight):
+            weights[name] = QuantizedWeight(w.data.to(device), w.qtype, w.shape)
+        elif isinstance(w, torch.Tensor):
+            weights[name] = w.to(device)
+    return weights
+
+
+def needs_host_sampler(batch: SamplingBatch) -> bool:
+    """Whether a step's logits on a GPU go to the host for the sampler.
+
+    Only a step whose rows are all greedy with nothing to adjust (no logit bias,
+    min_tokens mask, penalties, grammar, logprobs) takes its argmax on the device and
+    copies back ``[rows]`` int64. Any other step copies its logits (``rows x vocab x 4``
+    bytes: 6.3 MB for 32 rows of SmolLM2's 49,152) to the host and runs the CPU sampler
+    (the C++ kernel where built): a sampled row draws its uniform from its request's
+    host ``torch.Generator`` and the sampler's masks are host tensors, so seeded streams
+    are the same on both devices, and the sampler's checks (chi-square, batch invariance)
+    cover the GPU path too; the torch twin on the device is the way to go once sampled
+    rows dominate a GPU's step time (docs/gpu.md).
+    """
+    return not (batch.all_greedy and batch.logit_bias is None
+                and batch.min_tokens_mask is None and not batch.need_penalties
+                and batch.grammar_bitmask is None and all(n < 0 for n in batch.num_logprobs))
+
+
 class ModelRunner:
     """Owns the model weights and the KV cache tensor
     ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -168,6 +203,12 @@ class ModelRunner:
     shard of the weights and the KV cache of its KV heads (``num_kv_heads``
     is then the rank's count); all ranks run every step, rank 0 samples and
     broadcasts the sampled ids so every rank's persistent batch stays equal.
+
+    On CUDA (``--device``, ``config.resolve_device``) the weights, the KV cache and each
+    step's input tensors live on the GPU (inputs copied from page-locked host memory
+    without waiting), the ``triton_kernels`` calls take their Triton paths, and decode
+    steps replay CUDA graphs (``cuda_graphs.CudaGraphRunner``) unless
+    ``--enforce-eager``. The persistent batch stays in host numpy arrays either way.
 
     Args:
         config: engine settings (model path, dtype, cache sizing).
@@ -178,21 +219,34 @@ class ModelRunner:
         self.config = config
         path = config.model.model_path
         quantized = path.endswith(".gguf") or config.model.quantization != "none"
-        self.dtype, why = choose_dtype(config.model.dtype, "cpu", cpu_flags(), quantized)
+        device_type, why_device = resolve_device(config)
+        self.device = torch.device(device_type)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:  # an index, so that tensors compare equal to self.device
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        logger.info("device %s (%s)", self.device, why_device)
+        self.dtype, why = choose_dtype(config.model.dtype, self.device.type, cpu_flags(),
+                                       quantized,
+                                       cuda_bf16=on_cuda and torch.cuda.is_bf16_supported())
         (logger.warning if why.startswith("slow") else logger.info)(
             "dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self.kv_cache_dtype = choose_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype,
-                                                    "cpu")
+                                                    self.device.type)
         hf_config = load_hf_config(path)
         self.arch = DecoderArch.from_hf_config(hf_config)
         model_class = registry.model_class(registry.family_of_config(hf_config))
         self.max_model_len = resolve_max_model_len(config, hf_config)
         weights = load_weights(path, hf_config, self.dtype, config.model.quantization)
+        if on_cuda:  # before the model is built: a model on the GPU builds no C++ step
+            weights_to_device(weights, self.device)
         t_weights = time.perf_counter() - t0
         # Build (first run on a machine) or load the C++ CPU kernels now rather than in
-        # the first request's step; None means the torch path, which is logged.
+        # the first request's step; None means the torch path, which is logged. (On CUDA
+        # the host sampler of sampled rows uses them.)
         cpu_ops.load()
         self.model = model_class(self.arch, weights, self.dtype, self.max_model_len + 1)
+        if on_cuda:
+            self.model.to_device(self.device)  # the RoPE tables and embedding scale
         formats = ", ".join(f"{k} x{v}" for k, v in self.model.weight_formats().items())
         logger.info("weights: %s (%.1f MB%s), loaded in %.2f s", formats,
                     self.model.parameter_bytes() / 1e6,
@@ -203,8 +257,10 @@ class ModelRunner:
             # The one central block manager needs the same count on every rank.
             self.num_blocks = tp.all_reduce_min(self.num_blocks)
         a = self.model.arch
-        self.kv_cache = lazy_zeros((a.num_layers, 2, self.num_blocks, self.block_size,
-                                    a.num_kv_heads, a.head_dim), self.kv_cache_dtype)
+        kv_shape = (a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads,
+                    a.head_dim)
+        self.kv_cache = (torch.zeros(kv_shape, dtype=self.kv_cache_dtype, device=self.device)
+                         if on_cuda else lazy_zeros(kv_shape, self.kv_cache_dtype))
         self.max_blocks_per_seq = -(-(self.max_model_len + 1) // self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self._last_step_end = 0.0  # perf_counter() at the end of the last step
@@ -220,10 +276,51 @@ class ModelRunner:
             self.drafter = DraftModelProposer(config, self)
         elif config.speculative is not None:
             self.drafter = verifier.DraftProposer(config.speculative, self.max_model_len)
+        self.cuda_graphs = self._capture_cuda_graphs() if on_cuda else None
         self.load_time = time.perf_counter() - t0
         logger.info("model ready: %d blocks of %d tokens (KV cache %s), %.1f s", self.num_blocks,
                     self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
                     self.load_time)
+
+    def _capture_cuda_graphs(self):
+        """The ``CudaGraphRunner`` of this model with every bucket captured, or None
+        (``--enforce-eager``, or a model whose forward cannot be captured: logged)."""
+        from aioengine.worker import cuda_graphs
+
+        sizes = self.config.device.capture_sizes(self.config.scheduler.max_num_seqs)
+        blocker = cuda_graphs.graph_blocker(self.model)
+        if not sizes or blocker is not None:
+            logger.info("CUDA graphs off (%s): every step runs eagerly",
+                        "--enforce-eager" if not sizes else blocker)
+            return None
+        runner = cuda_graphs.CudaGraphRunner(self.model, self.kv_cache, sizes,
+                                             self.max_blocks_per_seq, self.block_size,
+                                             self.device)
+        runner.capture()
+        return runner
+
+    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, attn: AttentionMetadata,
+                 block_tables: np.ndarray, decode_only: bool) -> torch.Tensor:
+        """``[num_tokens, hidden]`` hidden states of a step (host inputs): on a CPU the
+        model as before; on CUDA a captured graph's replay for a decode-only step that fits
+        a bucket, else the model on inputs copied to the device."""
+        if self.device.type == "cpu":
+            return self.model.forward(torch.from_numpy(input_ids), torch.from_numpy(positions),
+                                      self.kv_cache, attn)
+        if decode_only and self.cuda_graphs is not None \
+                and self.cuda_graphs.bucket_for(len(input_ids)) is not None:
+            return self.cuda_graphs.run(input_ids, positions, attn.slot_mapping.numpy(),
+                                        block_tables, attn.seq_lens.numpy())
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory().to(self.device, non_blocking=True)
+
+        device_attn = AttentionMetadata(
+            slot_mapping=put(attn.slot_mapping), block_tables=put(attn.block_tables),
+            cu_seqlens_q=put(attn.cu_seqlens_q), seq_lens=put(attn.seq_lens),
+            max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k)
+        return self.model.forward(put(torch.from_numpy(input_ids)),
+                                  put(torch.from_numpy(positions)), self.kv_cache, device_attn)
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -304,7 +401,7 @@ class ModelRunner:
     def _execute_model(self, so: SchedulerOutput, t0: float) -> ModelRunnerOutput:
         if so.copy_blocks:
             # Copy-on-write: before this step's forward writes into the copies.
-            pairs = torch.tensor(so.copy_blocks, dtype=torch.int64)
+            pairs = torch.tensor(so.copy_blocks, dtype=torch.int64).to(self.device)
             triton_kernels.copy_blocks(self.kv_cache, pairs)
             if hasattr(self.drafter, "kv_cache"):  # a draft model's cache mirrors the blocks
                 triton_kernels.copy_blocks(self.drafter.kv_cache, pairs)
@@ -348,8 +445,8 @@ class ModelRunner:
         if num_draft is not None:
             attn = verifier.batch_expansion(num_sched, num_draft, positions, row_of_token,
                                             self.block_table, bs, attn.slot_mapping) or attn
-        hidden = self.model.forward(torch.from_numpy(input_ids), torch.from_numpy(positions),
-                                    self.kv_cache, attn)
+        hidden = self._forward(input_ids, positions, attn, block_tables,
+                               num_draft is None and total == len(states))
         sampled = np.full(len(states), -1, dtype=np.int64)
         logprobs_out = None
         num_accepted_out = spec_token_ids = None
@@ -401,6 +498,10 @@ class ModelRunner:
         """One token per row of ``logits`` ``[len(states), vocab]``."""
         batch = self._sampling_batch(states)
         batch.grammar_bitmask = grammar_bitmask_rows(so, states)
+        if logits.is_cuda:  # see needs_host_sampler; the engine wants host token ids
+            if not needs_host_sampler(batch):
+                return greedy_tokens(logits).cpu(), None
+            logits = logits.cpu()
         return sample(logits, batch)
 
     def _sampling_batch(self, states: list[CachedRequestState]) -> SamplingBatch:
