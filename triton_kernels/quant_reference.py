@@ -122,7 +122,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     # half h, element 32 * s + l: low 4 bits from ql (nibble s // 2 of byte 32 * (s % 2) + l),
     # high 2 bits from bits 2s, 2s + 1 of qh[l]
     low = torch.cat([ql & 0x0F, ql >> 4], dim=-1)  # [n, 2, 128]
-    shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).view(1, 1, 4, 1)
+    # arange, not torch.tensor([...]): no host-to-device copy, so a CUDA graph can capture it
+    shifts = torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8).view(1, 1, 4, 1)
     high = ((qh.unsqueeze(2) >> shifts) & 3).reshape(n, 2, 128)
     q = (low | (high << 4)).to(torch.int8) - 32
     dl = (d * scales).unsqueeze(-1)  # [n, 16, 1]
