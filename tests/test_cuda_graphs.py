@@ -191,6 +191,29 @@ def test_padded_rows_write_no_kv_slot_and_change_no_real_row(tiny_gguf):
     torch.testing.assert_close(kv_padded, kv_plain, rtol=1e-5, atol=1e-5)
 
 
+def test_to_device_moves_every_weight_and_table_and_keeps_a_tied_head_tied(tmp_path):
+    """``CausalLM.to_device`` onto the ``meta`` device (a stand-in for CUDA that a CPU
+    has): nothing the forward reads stays behind on the CPU."""
+    from aioengine.models.decoder import CausalLM
+    from triton_kernels.quant import QuantizedWeight
+
+    path = tmp_path / "tied.gguf"
+    write_llama_gguf(path, TinyLlama(context=64, tied=True), tokenizer=TINY_TOKENIZER)
+    model: CausalLM = ModelRunner(tiny_config(str(path), device="cpu",
+                                              num_gpu_blocks_override=4)).model
+    assert model.lm_head is model.embed_tokens
+    model.to_device(torch.device("meta"))
+
+    def devices(w) -> set[str]:
+        if isinstance(w, tuple):
+            return set().union(*map(devices, w))
+        return {(w.data if isinstance(w, QuantizedWeight) else w).device.type}
+
+    assert set().union(*(devices(w) for _, w in model.named_weights())) == {"meta"}
+    assert {t.device.type for r in model.rotaries.values() for t in (r.cos, r.sin)} == {"meta"}
+    assert model.lm_head is model.embed_tokens and model.decode_layers is None
+
+
 # -- the device option ------------------------------------------------------------------------
 
 
