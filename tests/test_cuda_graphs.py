@@ -304,6 +304,53 @@ def test_a_cpu_runner_runs_no_graph_code(tiny_gguf, monkeypatch):
     assert all(len(t) == 4 and min(t) >= 0 for t in tokens)
 
 
+class _CudaNamedCpu(str):
+    """A device that the runner takes for CUDA (``.type``) and torch for the CPU."""
+
+    type = "cuda"
+
+
+class _EagerReplay:
+    """``CudaGraphRunner``'s interface, replaying nothing: the padded buffers through the
+    model eagerly on the CPU."""
+
+    def __init__(self, runner: ModelRunner, sizes: tuple[int, ...]) -> None:
+        self.runner, self.sizes, self.calls = runner, sizes, []
+        self.buffers = DecodeInputBuffers(sizes[-1], runner.max_blocks_per_seq,
+                                          runner.block_size, torch.device("cpu"))
+
+    def bucket_for(self, n: int) -> int | None:
+        return bucket_for(self.sizes, n)
+
+    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
+        n, bucket = len(input_ids), self.bucket_for(len(input_ids))
+        self.calls.append((n, bucket))
+        self.buffers.fill(bucket, input_ids, positions, slot_mapping, block_tables, seq_lens)
+        return self.runner.model.forward(self.buffers.input_ids[:bucket],
+                                         self.buffers.positions[:bucket], self.runner.kv_cache,
+                                         self.buffers.metadata(bucket))[:n]
+
+
+def test_the_runners_cuda_branches_driven_on_the_cpu(tiny_gguf, monkeypatch):
+    """The runner's CUDA step (inputs through page-locked copies; decode steps through the
+    graph runner's ``run`` with the bucket's padding) on the CPU, where the device is a
+    name and a replay an eager forward of the padded buffers: the plain CPU runner's greedy
+    tokens and logprobs, and decode steps, only they, go to ``run``, in their buckets."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    plain = ModelRunner(tiny_config(tiny_gguf, device="cpu"))
+    emulated = ModelRunner(tiny_config(tiny_gguf, device="cpu"))
+    emulated.device = _CudaNamedCpu("cpu")
+    emulated.cuda_graphs = graphs = _EagerReplay(emulated, (1, 2, 4, 8))
+    for n in (1, 3, 8, 9):
+        prompts = random_prompts(n, plain.arch.vocab_size, seed=20 + n)
+        ours, ours_top2 = drive(emulated, prompts, steps=3, tag=f"e{n}")
+        ref, ref_top2 = drive(plain, prompts, steps=3, tag=f"p{n}")
+        _assert_same_greedy(f"cpu emulation batch {n}", ours, ours_top2, ref, ref_top2)
+        np.testing.assert_allclose(np.array(ours_top2), np.array(ref_top2), atol=1e-4)
+    # 9 sequences: above the largest bucket, eager.
+    assert graphs.calls == [(1, 1)] * 3 + [(3, 4)] * 3 + [(8, 8)] * 3
+
+
 # -- on a GPU ---------------------------------------------------------------------------------
 
 
