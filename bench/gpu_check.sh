@@ -40,12 +40,22 @@ export PYTHONUNBUFFERED=1
 # more); a CPU step in the tests then runs the torch path.
 export AIOENGINE_CPU_KERNELS=0
 date -u
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" - <<'EOF' || { echo "missing packages: run bench/gpu_check.sh --fetch-wheels on the CPU host, carry .whl"; exit 1; }
-import gguf, msgspec, torch, triton, transformers
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+"$PY" - <<'EOF' || exit 1
+import importlib.util
+import sys
+
+missing = [m for m in ("gguf", "msgspec", "torch", "triton", "transformers", "pytest")
+           if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"missing packages {missing}: run 'bash bench/gpu_check.sh --fetch-wheels' on "
+             "the CPU host and carry .whl")
+import torch, triton, transformers  # noqa: E401
+
 print(f"torch {torch.__version__}, triton {triton.__version__}, transformers "
       f"{transformers.__version__}, CUDA available: {torch.cuda.is_available()}")
-assert torch.cuda.is_available(), "no CUDA device"
+if not torch.cuda.is_available():
+    sys.exit("torch sees no CUDA device: nothing to check")
 EOF
 
 echo "== 1. pytest -m gpu"
