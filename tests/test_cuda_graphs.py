@@ -35,7 +35,7 @@ from aioengine.worker import cuda_graphs
 from aioengine.worker.cuda_graphs import PAD_SLOT_ID, DecodeInputBuffers, bucket_for
 from aioengine.worker.model_runner import ModelRunner, needs_host_sampler
 from tests.gguf_models import TinyLlama, write_llama_gguf
-from tests.parity import assert_greedy_parity
+from tests.parity import NEAR_TIE, assert_greedy_parity, top2_gap
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 BATCH_SIZES = (1, 3, 8, 32)
@@ -304,6 +304,23 @@ def test_a_cpu_runner_runs_no_graph_code(tiny_gguf, monkeypatch):
     assert all(len(t) == 4 and min(t) >= 0 for t in tokens)
 
 
+def _assert_same_greedy(name: str, ours, ours_top2, ref, ref_top2, near_tie: float = NEAR_TIE,
+                        atol: float | None = None) -> None:
+    """Each request's greedy tokens equal up to a near-tie (DESIGN.md's rule; ``near_tie``
+    wider than fp32's 1e-3 for bf16 only), and with ``atol`` its top-2 logprobs within
+    ``atol`` up to where the tokens part (after that the contexts differ)."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if near_tie == NEAR_TIE:
+            assert_greedy_parity(f"{name}[{i}]", a, b, ours_top2[i], ref_top2[i])
+        part = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        if part < len(a) and near_tie != NEAR_TIE:
+            gaps = top2_gap(ours_top2[i][part]), top2_gap(ref_top2[i][part])
+            assert max(gaps) < near_tie, f"{name}[{i}]: token {part} differs, gaps {gaps}"
+        if atol is not None:
+            np.testing.assert_allclose(np.array(ours_top2[i][:part + 1]),
+                                       np.array(ref_top2[i][:part + 1]), atol=atol)
+
+
 class _CudaNamedCpu(str):
     """A device that the runner takes for CUDA (``.type``) and torch for the CPU."""
 
@@ -345,18 +362,13 @@ def test_the_runners_cuda_branches_driven_on_the_cpu(tiny_gguf, monkeypatch):
         prompts = random_prompts(n, plain.arch.vocab_size, seed=20 + n)
         ours, ours_top2 = drive(emulated, prompts, steps=3, tag=f"e{n}")
         ref, ref_top2 = drive(plain, prompts, steps=3, tag=f"p{n}")
-        _assert_same_greedy(f"cpu emulation batch {n}", ours, ours_top2, ref, ref_top2)
-        np.testing.assert_allclose(np.array(ours_top2), np.array(ref_top2), atol=1e-4)
+        _assert_same_greedy(f"cpu emulation batch {n}", ours, ours_top2, ref, ref_top2,
+                            atol=1e-4)
     # 9 sequences: above the largest bucket, eager.
     assert graphs.calls == [(1, 1)] * 3 + [(3, 4)] * 3 + [(8, 8)] * 3
 
 
 # -- on a GPU ---------------------------------------------------------------------------------
-
-
-def _assert_same_greedy(name: str, ours, ours_top2, ref, ref_top2) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        assert_greedy_parity(f"{name}[{i}]", a, b, ours_top2[i], ref_top2[i])
 
 
 @pytest.mark.gpu
@@ -373,17 +385,18 @@ def test_gpu_graph_replay_equals_eager_on_a_small_model(tiny_gguf, dtype, caplog
     replays = []
     run = graphs.cuda_graphs.run
     graphs.cuda_graphs.run = lambda *a: replays.append(len(a[0])) or run(*a)
+    # bf16: a padded bucket's dense matmuls may take another cuBLAS kernel (1-ulp bf16
+    # differences); fp32 is held to the fp32 rule.
+    near_tie, atol = (NEAR_TIE, 1e-4) if dtype == "float32" else (3e-2, 3e-2)
     for n in BATCH_SIZES:
         prompts = random_prompts(n, graphs.arch.vocab_size, seed=n)
-        for logprobs in (2, -1):  # the host sampler, then argmax on the device
-            ours, ours_top2 = drive(graphs, prompts, logprobs=logprobs, tag=f"g{n}{logprobs}")
-            ref, ref_top2 = drive(eager, prompts, logprobs=logprobs, tag=f"e{n}{logprobs}")
-            if logprobs < 0:
-                assert ours == ref, (n, ours, ref)
-                continue
-            _assert_same_greedy(f"tiny {dtype} batch {n}", ours, ours_top2, ref, ref_top2)
-            tol = 1e-4 if dtype == "float32" else 3e-2
-            np.testing.assert_allclose(np.array(ours_top2), np.array(ref_top2), atol=tol)
+        ours, ours_top2 = drive(graphs, prompts, tag=f"g{n}")
+        ref, ref_top2 = drive(eager, prompts, tag=f"e{n}")
+        _assert_same_greedy(f"tiny {dtype} batch {n}", ours, ours_top2, ref, ref_top2,
+                            near_tie, atol)
+        # Without logprobs the argmax runs on the device: the host sampler's tokens, exactly.
+        assert drive(graphs, prompts, logprobs=-1, tag=f"d{n}")[0] == ours
+        assert drive(eager, prompts, logprobs=-1, tag=f"f{n}")[0] == ref
     # Every decode step replayed a graph: DECODE_STEPS per batch size and sampler path.
     assert replays == [n for n in BATCH_SIZES for _ in range(2 * DECODE_STEPS)]
 
@@ -399,8 +412,7 @@ def test_gpu_runner_agrees_with_the_cpu_runner(tiny_gguf):
     prompts = random_prompts(8, cuda.arch.vocab_size, seed=7)
     ours, ours_top2 = drive(cuda, prompts)
     ref, ref_top2 = drive(cpu, prompts)
-    _assert_same_greedy("tiny cuda vs cpu", ours, ours_top2, ref, ref_top2)
-    np.testing.assert_allclose(np.array(ours_top2), np.array(ref_top2), atol=1e-3)
+    _assert_same_greedy("tiny cuda vs cpu", ours, ours_top2, ref, ref_top2, atol=1e-3)
 
 
 def hf_greedy_on(device: str, model, prompt_ids: list[int], max_new_tokens: int
@@ -491,7 +503,7 @@ def test_gpu_real_gguf_graphs_equal_eager_and_hf_transformers():
     for n in BATCH_SIZES:
         ours, ours_top2 = drive(graphs, prompts[:n], steps=15, tag=f"g{n}")
         ref, ref_top2 = drive(eager, prompts[:n], steps=15, tag=f"e{n}")
-        _assert_same_greedy(f"gguf batch {n}", ours, ours_top2, ref, ref_top2)
+        _assert_same_greedy(f"gguf batch {n}", ours, ours_top2, ref, ref_top2, atol=1e-3)
     from tests.parity import hf_model
 
     # A copy: hf_model() is cached for the CPU tests of the same session.
