@@ -321,6 +321,7 @@ def run_serve(args: argparse.Namespace) -> None:
     if node_rank:  # a node without the API: its ranks only
         sys.exit(_run_worker_node(_engine_config(args)))
     sock = _check_serve_args(args)  # bad starts end here, before the imports below
+    port = sock.getsockname()[1]  # --port 0: the one the system picked
     config = _engine_config(args)
 
     import asyncio
@@ -355,7 +356,7 @@ def run_serve(args: argparse.Namespace) -> None:
                     max_ws_requests=args.max_ws_requests, web_dir=args.web_dir,
                     allowed_origins=origins, tool_call_parser=args.tool_call_parser)
     uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, loop="uvloop",
+        app, host=args.host, port=port, loop="uvloop",
         http=timed_http_protocol(limits.header_timeout_s), lifespan="on",
         log_level=args.log_level, ws_max_size=int(args.max_body_mib * (1 << 20)),
         timeout_keep_alive=limits.timeout_keep_alive_s,
@@ -381,10 +382,9 @@ def run_serve(args: argparse.Namespace) -> None:
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            host = f"[{args.host}]" if ":" in args.host else args.host
             load_time = getattr(app.state, "load_time", time.perf_counter() - t0)
-            console.print(f"[bold green]ready[/] http://{host}:{args.port} "
-                        f"(model {app.state.serving.model_name!r} loaded in {load_time:.1f} s)")
+            console.print(f"[bold green]ready[/] {ready_message(args.host, port)} "
+                          f"(model {app.state.serving.model_name!r} loaded in {load_time:.1f} s)")
         await task
 
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
@@ -452,6 +452,24 @@ def _check_serve_args(args: argparse.Namespace):
         return bind_socket(args.host, args.port)
     except StartupError as exc:
         sys.exit(f"aioengine: error: {exc}")
+
+
+def ready_message(host: str, port: int) -> str:
+    """The server's address as a URL a user can paste: a wildcard address (``0.0.0.0``,
+    ``::``) is not one to connect to, so this machine's loopback stands in for it and the
+    address it listens on follows.
+
+    Args:
+        host: ``--host`` as given.
+        port: the bound port (never 0: ``--port 0`` is resolved by the bind).
+    """
+    wildcard = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
+    target = wildcard.get(host, host)
+    url = f"http://[{target}]:{port}" if ":" in target else f"http://{target}:{port}"
+    if host in wildcard:
+        shown = f"[{host}]" if ":" in host else host or "0.0.0.0"
+        return f"{url} (listening on {shown}:{port}, every interface)"
+    return url
 
 
 def one_line(exc: BaseException) -> str:
