@@ -578,7 +578,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None,
                    help="WebSocket URL of a running server, e.g. ws://127.0.0.1:8000/v1/ws")
     p.add_argument("--api-key", default=os.environ.get("AIOENGINE_API_KEY"),
-                   help="API key for the server (env AIOENGINE_API_KEY)")
+                   help="API key for the server (default: env AIOENGINE_API_KEY, else none)")
     p.add_argument("--system", default="", help="system prompt")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="sampling temperature of the answers; 0 is greedy (default: %(default)s)")

@@ -254,14 +254,15 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                               description="Run the OpenAI-compatible HTTP/WebSocket server.")
     add_engine_args(p)
     add_node_args(p)
-    g = p.add_argument_group("server")
+    g = server = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 for every interface "
                         "(default: %(default)s, this machine only)")
     g.add_argument("--port", type=int, default=8000,
                    help="TCP port of the HTTP and WebSocket API (default: %(default)s)")
     g.add_argument("--api-key", default=os.environ.get("AIOENGINE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (env AIOENGINE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' (default: env "
+                        "AIOENGINE_API_KEY, else none: no key needed)")
     g.add_argument("--api-keys-file", default=None, metavar="PATH",
                    help="YAML or JSON list of API keys (or their sha256), each with a name "
                         "and optional requests/tokens per minute, concurrent requests and "
@@ -290,7 +291,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--ws-max-frames-per-s", type=float, default=50.0,
                    help="a WebSocket's sustained message rate, with bursts of 200; beyond "
                         "it the socket is closed with 1008 (default: %(default)s)")
-    g = p.add_argument_group("server")
+    g = server  # one "server" section in --help, after it the connection limits
     g.add_argument("--web-dir", default=None,
                    help="folder with the chat page served at / (default: the repo's web/)")
     g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
@@ -537,9 +538,35 @@ SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
 }
 
 
+def says_default(help_text: str) -> bool:
+    """Whether an option's help already names its default: ``(default: X)``,
+    ``(default X: ...)`` or ``X (the default)``."""
+    return any(mark in help_text for mark in ("(default", "default:", "the default)"))
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's help with every option's default, as ``ArgumentDefaultsHelpFormatter``
+    but without saying it twice: an option that takes a value and whose help does not
+    already name its default gets ``(default: X)`` (``none`` for None, '' or []). Flags
+    (no value) are left alone: their help says what they turn on or off."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or says_default(text)
+                or action.default is argparse.SUPPRESS or text == argparse.SUPPRESS):
+            return text
+        shown = "none" if action.default in (None, "", []) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
 class _ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line with exit status 1, as every
-    other bad start (argparse's own: usage text, then status 2)."""
+    other bad start (argparse's own: usage text, then status 2); its subcommands'
+    help shows every option's default (``DefaultsHelpFormatter``)."""
+
+    def __init__(self, *args, formatter_class: type[argparse.HelpFormatter] =
+                 DefaultsHelpFormatter, **kwargs) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         sys.exit(f"{self.prog}: error: {message} (see {self.prog} --help)")
