@@ -25,6 +25,7 @@ from aioengine.models.decoder import DecoderArch
 from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.loader import load_hf_config, load_weights
 from aioengine.spec_decode import verifier
+from aioengine.structured.min_tokens import lift_min_tokens_where_grammar_ends
 from aioengine.worker.sampler import SamplingBatch, greedy_tokens, sample
 import triton_kernels
 from triton_kernels import cpu_ops
@@ -497,6 +498,9 @@ class ModelRunner:
         """One token per row of ``logits`` ``[len(states), vocab]``."""
         batch = self._sampling_batch(states)
         batch.grammar_bitmask = grammar_bitmask_rows(so, states)
+        # A complete grammar allows only EOS: it wins over min_tokens (structured/min_tokens.py).
+        batch.min_tokens_mask = lift_min_tokens_where_grammar_ends(batch.min_tokens_mask,
+                                                                   batch.grammar_bitmask)
         if logits.is_cuda:  # see needs_host_sampler; the engine wants host token ids
             if not needs_host_sampler(batch):
                 return greedy_tokens(logits).cpu(), None
