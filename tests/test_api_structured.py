@@ -298,3 +298,65 @@ def test_the_websocket_takes_the_same_fields(server, model):
     Pet.model_validate_json(done["a"]["text"])
     assert done["b"]["text"] in ("red", "blue")
     assert errors["c"]["code"] == 400 and errors["c"]["param"] == "guided_regex"
+
+
+# -- grammar against min_tokens and logit_bias: never a token the grammar forbids ----------
+
+ENDING = [
+    pytest.param({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": {"type": "boolean"}}}}, id="json_schema-boolean"),
+    pytest.param({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": {"enum": ["a"]}}}}, id="json_schema-enum"),
+    pytest.param({"guided_choice": ["yes", "no"]}, id="guided_choice"),
+]
+
+
+@pytest.mark.parametrize("body", ENDING)
+def test_a_complete_grammar_wins_over_min_tokens(server, model, body):
+    """A grammar that allows only EOS while ``min_tokens`` bans it: the grammar wins
+    (vLLM's rule), so the answer is what it is without ``min_tokens``, ending with EOS
+    and ``stop``; before, the sampler got a row of -inf logits and emitted token 0."""
+    async def go():
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", max_retries=0,
+                                      api_key=server.api_key, timeout=300) as client:
+            return await asyncio.gather(*(client.chat.completions.create(
+                model=model, messages=chat("Is the sky blue?"), max_tokens=16, logprobs=True,
+                temperature=temperature, seed=3, extra_body={**body, **extra})
+                for temperature in (0.0, 1.0) for extra in ({}, {"min_tokens": 8})))
+
+    answers = run(go())
+    tokens = [[t.token for t in a.choices[0].logprobs.content] for a in answers]
+    for a, toks in zip(answers, tokens):
+        assert a.choices[0].finish_reason == "stop", toks
+        assert toks[-1] == "<|im_end|>" and "<|endoftext|>" not in toks, toks
+        assert a.usage.completion_tokens == len(toks) < 8, toks
+    assert tokens[0] == tokens[1] and tokens[2] == tokens[3], tokens
+
+
+def test_logit_bias_against_every_allowed_token_still_gives_an_allowed_one(server, model):
+    """-100 on every token a grammar allows leaves them the only finite logits: the
+    answer is still one of them (not token 0, not a token outside the grammar)."""
+    digits = httpx.post(f"{server.base_url}/tokenize", headers=server.headers,
+                        json={"model": model, "prompt": "0123456789",
+                              "add_special_tokens": False}).json()["tokens"]
+    assert len(digits) == 10  # one token per digit in this vocabulary
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", max_retries=0,
+                                      api_key=server.api_key, timeout=300) as client:
+            return await asyncio.gather(*(client.completions.create(
+                model=model, prompt="My favourite digit is", max_tokens=4, temperature=t,
+                seed=1, logit_bias={str(d): -100 for d in digits},
+                extra_body={"guided_regex": "[0-9]"}) for t in (0.0, 1.0)))
+
+    for answer in run(go()):
+        assert re.fullmatch("[0-9]", answer.choices[0].text), answer.choices[0].text
+        assert answer.choices[0].finish_reason == "stop"
+
+
+def test_min_tokens_with_every_token_a_stop_token_is_a_400(server, model):
+    r = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=60,
+                   json={"model": model, "prompt": "Hi", "max_tokens": 4, "min_tokens": 2,
+                         "stop_token_ids": list(range(49152))})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "min_tokens", r.text

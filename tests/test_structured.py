@@ -148,3 +148,63 @@ def test_a_request_whose_grammar_is_compiling_waits_while_others_run(tokenizer):
     assert so.structured_output_request_ids == ["constrained"]
     words = (len(tokenizer) + 31) // 32
     assert len(so.grammar_bitmask) == 4 * words
+
+
+# -- a grammar that allows only EOS while min_tokens bans it (structured/min_tokens.py) ------
+
+
+def test_min_tokens_is_lifted_only_where_the_grammar_allows_nothing_else(manager, tokenizer):
+    from aioengine.structured.min_tokens import lift_min_tokens_where_grammar_ends
+    from aioengine.worker.sampler import SamplingBatch, sample
+
+    eos = tokenizer.eos_token_id
+    done = manager.new_request(StructuredOutputsParams(json={"type": "boolean"}))
+    going = manager.new_request(StructuredOutputsParams(json={"type": "boolean"}))
+    done.grammar_future.result()
+    assert done.is_ready() and going.is_ready()
+    for t in tokenizer.encode("true", add_special_tokens=False):
+        assert done.accept_token(t)  # complete: only EOS may follow
+    bitmask = torch.from_numpy(manager.grammar_bitmask([done, going]))
+    # rows 0 and 2 are under min_tokens (EOS and a user stop id banned), row 1 is not
+    min_mask = (torch.tensor([0, 0, 2, 2]), torch.tensor([eos, 7, eos, 7]))
+    grammar = (torch.tensor([0, 2]), bitmask)
+    rows, ids = lift_min_tokens_where_grammar_ends(min_mask, grammar)
+    assert rows.tolist() == [2, 2] and ids.tolist() == [eos, 7]  # "going" keeps min_tokens
+    assert lift_min_tokens_where_grammar_ends(min_mask, None) is min_mask
+
+    # Through the sampler: the complete grammar's row samples EOS, greedy or not.
+    vocab = bitmask.shape[1] * 32
+    for temperature in (0.0, 1.0):
+        logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3))
+        n = 3
+        batch = SamplingBatch(
+            temperature=torch.full((n,), temperature), top_p=torch.ones(n),
+            top_k=torch.zeros(n, dtype=torch.int64), min_p=torch.zeros(n),
+            presence_penalty=torch.zeros(n), frequency_penalty=torch.zeros(n),
+            repetition_penalty=torch.ones(n),
+            generators=[torch.Generator().manual_seed(i) for i in range(n)],
+            greedy=[temperature == 0] * n, num_logprobs=[-1] * n,
+            all_greedy=temperature == 0, grammar_bitmask=grammar,
+            min_tokens_mask=lift_min_tokens_where_grammar_ends(min_mask, grammar))
+        tokens, _ = sample(logits, batch)
+        assert tokens[0] == eos
+        assert going.matcher.accept_token(int(tokens[2])), "row 2 left its grammar"
+        going.matcher.rollback(1)
+
+
+def test_a_token_the_grammar_forbids_is_never_emitted():
+    """The stand-in model ignores every mask and picks letters; a grammar of digits
+    rejects its first token, which must end the request without being emitted (not
+    show up in the text, the token ids or a stream)."""
+    from aioengine import SamplingParams
+    from tests.factories import make_llm
+
+    llm = make_llm()
+    try:
+        p = SamplingParams(temperature=0, max_tokens=8,
+                           structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+        out = llm.generate(["count: "], p, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.text, out.finish_reason) == ([], "", "stop")
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()

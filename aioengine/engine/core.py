@@ -486,7 +486,11 @@ class EngineCore:
             output.num_cached_tokens = request.num_cached_tokens
             if token is None:
                 continue
-            self._accept_structured(request, token)
+            if not self._accept_structured(request, token):
+                # Not emitted: the request ends before the token its grammar forbids.
+                output.finish_reason = request.status.finish_reason
+                output.stop_reason = request.stop_reason
+                continue
             output.new_token_ids.append(token)
             if logprobs is not None:
                 output.new_logprobs = (output.new_logprobs or []) + [logprobs]
@@ -500,15 +504,32 @@ class EngineCore:
             finished_beam_searches=self._step_beam_searches(beam_groups) if beam_groups else [],
         )
 
-    def _accept_structured(self, request: Request, token: int) -> None:
-        """Advance a constrained request's matcher; a token its mask did not
-        cover (``ignore_eos`` past the end) or a finished grammar stops it."""
+    def _accept_structured(self, request: Request, token: int) -> bool:
+        """Advance a constrained request's matcher; a finished grammar stops it.
+
+        Returns:
+            False when the grammar rejects ``token``: the request is finished
+            (``stop`` unless it had already finished) and the token must not
+            be emitted. A sampler can only pick such a token from a row its
+            masks left without any allowed token (every logit -inf or NaN);
+            structured/min_tokens.py keeps ``min_tokens`` from doing that.
+        """
         structured = request.structured_output_request
         if structured is None or structured.matcher is None:
-            return
-        accepted = structured.accept_token(token)
-        if not request.is_finished and (not accepted or structured.is_terminated):
+            return True
+        if structured.accept_token(token):
+            if not request.is_finished and structured.is_terminated:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            return True
+        logger.warning(
+            "request %s: the sampler chose token %d, which its grammar forbids (no token "
+            "was left allowed: logits -inf or NaN); it ends before that token",
+            request.request_id,
+            token,
+        )
+        if not request.is_finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        return False
 
     # -- stats ------------------------------------------------------------------
     def stats(self, include_block_map: bool = False) -> EngineStats:

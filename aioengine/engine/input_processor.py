@@ -83,7 +83,8 @@ class InputProcessor:
             RequestRejected: empty prompt, token ids outside the vocabulary,
                 prompt or prompt + max_tokens beyond the context, or more
                 blocks than the whole cache.
-            SamplingParamError: ``logit_bias`` names a token outside the vocabulary.
+            SamplingParamError: ``logit_bias`` names a token outside the vocabulary,
+                or ``min_tokens`` with ``stop_token_ids`` that ban every token.
         """
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens == 0:
@@ -118,6 +119,17 @@ class InputProcessor:
             raise SamplingParamError(
                 "logit_bias", "logit_bias names a token id outside the vocabulary"
             )
+        if params.min_tokens and len(params.stop_token_ids) >= self._vocab_size - 1:
+            banned = {t for t in params.stop_token_ids if t < self._vocab_size}
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            if not params.ignore_eos and eos is not None:
+                banned.add(eos)
+            if len(banned) >= self._vocab_size:  # min_tokens would mask every token
+                raise SamplingParamError(
+                    "min_tokens",
+                    "min_tokens cannot be met: stop_token_ids (with EOS) hold every token "
+                    "of the vocabulary, so no token may be generated before min_tokens",
+                )
         return max_tokens
 
     def process_inputs(

@@ -102,7 +102,7 @@ class OutputProcessor:
             parent = state.parent
             if parent.num_cached_tokens < 0 and core_output.num_cached_tokens >= 0:
                 parent.num_cached_tokens = core_output.num_cached_tokens
-            if not core_output.new_token_ids:
+            if not core_output.new_token_ids and core_output.finish_reason is None:
                 continue  # a prompt chunk: nothing sampled yet
             if self._apply(state, core_output):
                 result.request_ids_to_finish.append(core_output.request_id)
@@ -122,6 +122,12 @@ class OutputProcessor:
         completion.delta_token_ids, completion.delta_text = [], ""
         last = len(core_output.new_token_ids) - 1
         stopped = False
+        if last < 0:  # finished without a token (one its grammar forbade was dropped)
+            completion.delta_text = detokenizer.get_delta(True)
+            completion.text += completion.delta_text
+            completion.finish_reason = core_output.finish_reason
+            completion.stop_reason = core_output.stop_reason
+            return False
         for k, token in enumerate(core_output.new_token_ids):
             stopped = detokenizer.update(token)
             completion.delta_token_ids.append(token)
