@@ -172,3 +172,97 @@ def test_row_count_mismatch_is_refused():
     with pytest.raises(ValueError, match="target rows"):
         rejection_sample(None, torch.zeros(3, dtype=torch.int64), torch.tensor([1]), [1],
                          [True], [torch.Generator()])
+
+
+# -- the random numbers: the main sampler's scheme (one fp64 uniform per test or draw) ------
+
+
+def inverse_transform(dist: torch.Tensor, u: float) -> int:
+    """The first token whose cumulative mass exceeds ``u`` times the total."""
+    cum = dist.double().cumsum(0)
+    return int(torch.searchsorted(cum, u * cum[-1], right=True))
+
+
+def random_rows(seed: int, rows: int, vocab: int = 6) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(rows, vocab, generator=g, dtype=torch.float64) ** 3
+    x[torch.rand(rows, vocab, generator=g) < 0.2] = 0.0
+    x[:, 0] += 1e-3  # every row has mass
+    return (x / x.sum(-1, keepdim=True)).float()
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_each_token_is_the_inverse_transform_draw_of_the_requests_own_uniforms(draft):
+    """Request with k drafts: its generator gives u_1..u_k for the accept tests
+    (draft j accepted while u_j q(d_j) < p(d_j)) and u_{k+1} for the token after
+    them, drawn from the residual max(0, p - q) (or p, the bonus) by inverse transform:
+    k + 1 fp64 uniforms per step, whatever is accepted, as the main sampler's one per
+    token. (The exponential race it replaced took a vocabulary's worth per step.)"""
+    checked = {"rejected": 0, "bonus": 0}
+    for seed in range(300):
+        k = 1 + seed % 3
+        p = random_rows(seed, k + 1)
+        drafts = (p[:k].argmax(-1) if seed % 2 else  # half likely accepted
+                  torch.multinomial(random_rows(seed + 7, k), 1,
+                                    generator=torch.Generator().manual_seed(seed)).squeeze(1))
+        q = random_rows(seed + 13, k) if draft == "model" else None
+        if q is not None:
+            q[torch.arange(k), drafts] += 0.5  # the draft's own token is likely under q
+            q = q / q.sum(-1, keepdim=True)
+        gen = torch.Generator().manual_seed(1000 + seed)
+        twin = torch.Generator().manual_seed(1000 + seed)
+        tokens, acc = rejection_sample(p, p.argmax(-1), drafts, [k], [False], [gen], q)
+        u = torch.rand(k + 1, dtype=torch.float64, generator=twin).tolist()
+        assert torch.equal(gen.get_state(), twin.get_state()), "not k + 1 uniforms"
+        qd = [1.0] * k if q is None else [float(q[j, drafts[j]]) for j in range(k)]
+        want_acc = 0
+        while want_acc < k and u[want_acc] * qd[want_acc] < float(p[want_acc, drafts[want_acc]]):
+            want_acc += 1
+        assert int(acc[0]) == want_acc, seed
+        dist = p[want_acc].clone()
+        if want_acc < k:
+            checked["rejected"] += 1
+            if q is None:
+                dist[drafts[want_acc]] = 0.0
+            else:
+                dist = (dist - q[want_acc]).clamp(min=0.0)
+        else:
+            checked["bonus"] += 1
+        assert int(tokens[0]) == inverse_transform(dist, u[k]), seed
+    assert min(checked.values()) > 40, checked
+
+
+def test_a_seeded_request_verifies_the_same_alone_and_in_any_batch():
+    """Rows of other requests (greedy or sampled, any draft count) change nothing
+    for a request: its tokens and acceptances depend on its rows and generator only."""
+    g = torch.Generator().manual_seed(5)
+    ks = [2, 0, 3, 1, 2, 4]
+    greedy = [False, True, False, False, True, False]
+    rows = sum(ks) + len(ks)
+    p = random_rows(11, rows)
+    q = random_rows(12, sum(ks))
+    drafts = torch.randint(0, 6, (sum(ks),), generator=g)
+    seeds = [100 + i for i in range(len(ks))]
+    tokens, acc = rejection_sample(p, p.argmax(-1), drafts, ks, greedy,
+                                   [torch.Generator().manual_seed(s) for s in seeds], q)
+    row0 = np.cumsum([0] + [k + 1 for k in ks])
+    d0 = np.cumsum([0] + ks)
+    for i, k in enumerate(ks):
+        pr = p[row0[i]:row0[i + 1]]
+        t, a = rejection_sample(pr, pr.argmax(-1), drafts[d0[i]:d0[i + 1]], [k], [greedy[i]],
+                                [torch.Generator().manual_seed(seeds[i])], q[d0[i]:d0[i + 1]])
+        assert (int(t[0]), int(a[0])) == (int(tokens[i]), int(acc[i])), i
+
+
+def test_draws_from_probs_follow_them():
+    from aioengine.spec_decode.rejection_sampler import draw_from_probs
+
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    n = 20000
+    tokens = draw_from_probs(probs.expand(n, -1).contiguous(),
+                             [torch.Generator().manual_seed(i) for i in range(n)])
+    counts = np.bincount(tokens.numpy(), minlength=5)
+    assert counts[1] == 0
+    keep = probs.numpy() > 0
+    pvalue = chisquare_pvalue(counts[keep].astype(np.float64), probs.numpy()[keep] * n)
+    assert pvalue > P_THRESHOLD, pvalue

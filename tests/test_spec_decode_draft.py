@@ -204,7 +204,10 @@ def test_greedy_equals_no_speculation_in_a_mixed_batch(models, reference):
     for text, out, (ref, top2) in zip(TEXTS, outs, reference):
         assert_same_greedy(text[:20], out.token_ids, ref, top2)
     assert_same_greedy("logprobs", outs[-1].token_ids, *reference[3])
-    assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+    # Drafts were verified in the batch. Here only the seeded request drafts (5-9 times),
+    # so whether some were accepted is that seed's luck; both outcomes are asserted where
+    # they are not: the noisy draft alone, and 600 seeded requests below.
+    assert s.spec_decode_num_draft_tokens > 0
     # A seeded sampled request samples the same tokens alone as in the batch.
     assert alone.token_ids == outs[-2].token_ids and len(alone.token_ids) == 32
 

@@ -46,6 +46,7 @@ from aioengine.models.decoder import DecoderArch
 from aioengine.models.layers.attention import AttentionMetadata
 from aioengine.models.loader import load_hf_config, load_weights
 from aioengine.spec_decode.dynamic import DraftGate
+from aioengine.spec_decode.rejection_sampler import draw_from_probs
 from aioengine.worker.sampler import apply_top_k_top_p_min_p
 
 if TYPE_CHECKING:
@@ -219,19 +220,20 @@ class DraftModelProposer:
         self, logits: torch.Tensor, states: list[CachedRequestState]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens ``[m]`` and, when some request samples, ``q`` ``[m, vocab]``
-        (the distribution each sampled token was drawn from; greedy rows unused)."""
+        (the distribution each sampled token was drawn from; greedy rows unused).
+        A sampled row's token is drawn from ``q`` by inverse transform sampling with
+        one fp64 uniform from the request's generator (``draw_from_probs``, the main
+        sampler's scheme): ``k`` drafts take ``k`` uniforms, whatever the batch."""
         greedy = [s.sampling.temperature < 1e-5 for s in states]
-        argmax = logits.argmax(-1)
+        tokens = logits.argmax(-1)
         if all(greedy):
-            return argmax, None
+            return tokens, None
         batch = self.target._sampling_batch(states)
         temperature = torch.where(batch.temperature < 1e-5, 1.0, batch.temperature)
         q = apply_top_k_top_p_min_p(logits / temperature.unsqueeze(1), batch).softmax(-1)
-        noise = torch.ones_like(q)
-        for i, s in enumerate(states):
-            if not greedy[i]:
-                noise[i].exponential_(generator=s.generator)
-        tokens = torch.where(torch.tensor(greedy), argmax, (q / noise).argmax(-1))
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        index = torch.tensor(sampled, dtype=torch.int64)
+        tokens[index] = draw_from_probs(q[index], [states[i].generator for i in sampled])
         return tokens, q
 
     def propose_next(

@@ -21,12 +21,41 @@ distribution ``p_j`` of the token after ``d_1..d_j``. The draft came from
 
 Everything is batched over all drafts of all requests; the only per-request
 Python work is drawing each request's random numbers from its own generator
-(so a seeded request samples the same alone or in any batch).
+(so a seeded request samples the same alone or in any batch). The random
+numbers are the main sampler's (``worker/sampler.py``): fp64 uniforms from the
+request's ``torch.Generator``, one per accept test and one per drawn token,
+which is picked by inverse transform sampling (``draw_from_probs``). A sampled
+request with ``k`` drafts therefore takes exactly ``k + 1`` uniforms per step,
+whatever is accepted, and its tokens depend only on its own rows.
 """
 
 from __future__ import annotations
 
 import torch
+
+from aioengine.worker.sampler import row_uniforms
+from triton_kernels import cpu_ops
+
+
+def draw_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` by inverse transform sampling (Devroye 1986,
+    §2.1), with one fp64 uniform per row from the row's own generator: the first
+    token, in vocabulary order, whose cumulative probability exceeds ``u`` times the
+    row's total (rows need not be normalised). The main sampler's draw
+    (``cpu_ops.sample_from_logits`` with temperature 1 and no filter, on ``log p``).
+
+    Args:
+        probs: ``[n, vocab]`` fp32, non-negative, each row with a positive entry.
+        generators: ``n`` generators; each gives one uniform.
+
+    Returns:
+        ``[n]`` int64 token ids.
+    """
+    n = probs.shape[0]
+    rows = torch.arange(n, dtype=torch.int64)
+    return cpu_ops.sample_from_logits(
+        probs.float().log().contiguous(), rows, torch.ones(n), torch.zeros(n, dtype=torch.int64),
+        torch.ones(n), torch.zeros(n), row_uniforms(generators))
 
 
 def rejection_sample(target_probs: torch.Tensor | None, target_argmax: torch.Tensor,
@@ -46,7 +75,8 @@ def rejection_sample(target_probs: torch.Tensor | None, target_argmax: torch.Ten
             (``num_drafts = sum(num_draft_tokens)``).
         num_draft_tokens: per request, its draft count ``k_i >= 0``.
         greedy: per request, accept by argmax instead of by probability.
-        generators: per request, its random generator (unused for greedy).
+        generators: per request, its random generator (unused for greedy); a
+            sampled request with ``k`` drafts takes ``k + 1`` fp64 uniforms from it.
         draft_probs: ``[num_drafts, vocab]`` draft distributions ``q``; None for
             point-mass drafts (n-gram).
 
@@ -69,15 +99,17 @@ def rejection_sample(target_probs: torch.Tensor | None, target_argmax: torch.Ten
 
     accepted = draft_token_ids == target_argmax[row_of_draft]
     if target_probs is not None and not all(greedy):
-        # u < p / q, written u * q < p so a zero q never divides.
-        uniforms = torch.empty(draft_token_ids.shape[0], dtype=torch.float32)
+        # u < p / q, written u * q < p so a zero q never divides; one fp64 uniform per
+        # draft from the request's generator, every draft tested (k per step).
+        uniforms = torch.zeros(draft_token_ids.shape[0], dtype=torch.float64)
         starts = (row_start - torch.arange(num_reqs)).tolist()
         for i, (gen, n) in enumerate(zip(generators, num_draft_tokens)):
             if not greedy[i] and n:
-                uniforms[starts[i]:starts[i] + n] = torch.rand(n, generator=gen)
-        p = target_probs[row_of_draft, draft_token_ids]
+                uniforms[starts[i]:starts[i] + n] = torch.rand(n, dtype=torch.float64,
+                                                               generator=gen)
+        p = target_probs[row_of_draft, draft_token_ids].double()
         q = (torch.ones_like(p) if draft_probs is None
-             else draft_probs[torch.arange(draft_token_ids.shape[0]), draft_token_ids])
+             else draft_probs[torch.arange(draft_token_ids.shape[0]), draft_token_ids].double())
         by_prob = uniforms * q < p
         accepted = torch.where(greedy_t[req_of_draft], accepted, by_prob)
 
@@ -92,7 +124,7 @@ def rejection_sample(target_probs: torch.Tensor | None, target_argmax: torch.Ten
         return tokens, num_accepted
 
     # Sampled rows: the residual norm(max(0, p - q)) after a rejection, p itself
-    # for the bonus token. Normalisation is implicit in the exponential race.
+    # for the bonus token. Normalisation is implicit in the inverse transform.
     dist = target_probs[out_rows].clone()                            # [num_reqs, vocab]
     was_rejected = num_accepted < k
     if was_rejected.any():
@@ -107,9 +139,7 @@ def rejection_sample(target_probs: torch.Tensor | None, target_argmax: torch.Ten
         empty = dist[rej_reqs].sum(-1) <= 0
         if empty.any():
             dist[rej_reqs[empty]] = target_probs[out_rows[rej_reqs[empty]]]
-    noise = torch.ones_like(dist)
-    for i, gen in enumerate(generators):
-        if not greedy[i]:
-            noise[i].exponential_(generator=gen)
-    sampled = (dist / noise).argmax(-1)
-    return torch.where(greedy_t, tokens, sampled), num_accepted
+    sampled_rows = [i for i, g in enumerate(greedy) if not g]
+    index = torch.tensor(sampled_rows, dtype=torch.int64)
+    tokens[index] = draw_from_probs(dist[index], [generators[i] for i in sampled_rows])
+    return tokens, num_accepted
