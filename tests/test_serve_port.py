@@ -62,18 +62,18 @@ def test_port_0_prints_the_bound_port_and_that_url_serves():
         port = int(url.rsplit(":", 1)[1])
         assert url == f"http://127.0.0.1:{port}" and port != 0, out
         assert ":0 " not in out and not out.rstrip().endswith(":0"), out
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=TEST_API_KEY, max_retries=0)
-        answer = client.completions.create(model=client.models.list().data[0].id,
-                                           prompt="The capital of France is", max_tokens=3,
-                                           temperature=0)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=TEST_API_KEY, max_retries=0) as client:
+            answer = client.completions.create(model=client.models.list().data[0].id,
+                                               prompt="The capital of France is", max_tokens=3,
+                                               temperature=0)
         assert answer.choices[0].text and answer.usage.completion_tokens == 3
     finally:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=30)
+            process.communicate(timeout=30)  # drains and closes the pipe
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait()
+            process.communicate()
 
 
 @pytest.mark.parametrize("host,want", [
