@@ -333,7 +333,8 @@ def sampling_share(rows_list: Sequence[int], threads: int, vocab_size: int, seed
     """The step breakdown at 1, 8, 32 rows: worker forward, LM head and sampler
     (ms, medians over full decode steps), in-process so the two halves of
     ``ModelRunnerOutput.sample_time`` can be timed apart; greedy and sampled
-    (temperature 0.8, top-p 0.95) rows."""
+    (temperature 0.8, top-p 0.95) rows. All-greedy steps run the LM head's fused
+    argmax (``compute_greedy_tokens``), counted as the LM head; their sampler is 0."""
     from aioengine import LLM, SamplingParams
     from aioengine.worker import model_runner as mr
 
@@ -352,6 +353,8 @@ def sampling_share(rows_list: Sequence[int], threads: int, vocab_size: int, seed
 
     compute_logits, sample_fn = model.compute_logits, mr.sample
     model.compute_logits = timed("lm_head", compute_logits)
+    # all-greedy steps take the LM head's fused argmax (no logits, no sampler call)
+    model.compute_greedy_tokens = timed("lm_head", model.compute_greedy_tokens)
     mr.sample = timed("sampler", sample_fn)
     out: dict = {}
     try:

@@ -7,7 +7,7 @@ block_size`` blocks of the format, rows back to back, so ``data`` is a uint8 ten
 ``gguf.GGMLQuantizationType`` values; block layouts are llama.cpp's
 (``ggml/src/ggml-common.h``; the ``gguf`` package's ``quants.py`` is their Python twin).
 
-The model calls only ``linear``, ``embedding`` and ``fuse_rows``; each runs the C++
+The model calls only ``linear``, ``argmax_linear``, ``embedding`` and ``fuse_rows``; each runs the C++
 kernels (``csrc/quant_ops.cpp``) on fp32 CPU activations when they are built
 (``cpu_ops.load()``), Triton on CUDA (``quant_triton.dequant_matmul``), and the
 dequantize-then-``F.linear`` torch path (``quant_reference``) otherwise.
@@ -31,6 +31,7 @@ __all__ = [
     "GGMLQuantizationType",
     "QuantizedWeight",
     "Weight",
+    "argmax_linear",
     "embedding",
     "fuse_rows",
     "linear",
@@ -193,6 +194,46 @@ def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
         x2 = x2.contiguous()
     out = ops.quant_linear(x2, parts, qtypes, cols, None if bias is None else bias.contiguous())
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], rows)
+
+
+def argmax_linear(x: torch.Tensor, weight: Weight,
+                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``linear(x, weight, bias).argmax(-1)`` without the ``[M, N]`` output: the greedy LM
+    head. The C++ kernel computes the same tiles with the same sums as ``linear`` and keeps
+    only each row's running maximum and its index (``csrc/quant_ops.h``,
+    ``quant_linear_argmax_into``), so the result is ``linear``'s argmax token for token:
+    the first index among equal maxima, NaN counted as the largest, as ``torch.argmax``.
+
+    Args:
+        x: ``[M, K]`` fp32 CPU activations.
+        weight: ``[N, K]`` quantized, or a tuple of parts (``fuse_rows``); dense
+            ``[N, K]`` fp32 weights go through ``F.linear`` elsewhere, so they return None.
+        bias: ``[N]`` or None.
+
+    Returns:
+        ``[M]`` int64 indices, or None where the kernel does not apply (a dense weight,
+        another dtype or device, activations that need gradients, no C++ build, shapes
+        that do not fit): the caller computes the logits instead.
+    """
+    if (isinstance(weight, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0
+            or x.dtype != torch.float32 or x.device.type != "cpu"
+            or (x.requires_grad and torch.is_grad_enabled())):
+        return None
+    if bias is not None and not (bias.dtype == torch.float32 and bias.device.type == "cpu"
+                                 and bias.dim() == 1 and not bias.requires_grad):
+        return None
+    ops = cpu_ops.load()
+    spec = cpu_ops.weight_parts(weight) if ops is not None else None
+    if spec is None:
+        return None
+    parts, qtypes, cols = spec
+    rows = sum(p.shape[0] for p in parts)
+    if cols != x.shape[1] or rows == 0 or (bias is not None and bias.shape[0] != rows):
+        return None
+    if x.stride(-1) != 1 or x.is_neg():
+        x = x.contiguous()
+    return ops.quant_linear_argmax(x, parts, qtypes, cols,
+                                   None if bias is None else bias.contiguous())
 
 
 def _cuda_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:

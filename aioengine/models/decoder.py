@@ -500,3 +500,21 @@ class CausalLM:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    @torch.inference_mode()
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[num_rows, hidden]`` -> ``[num_rows]`` int64: ``compute_logits(hidden).argmax(-1)``
+        (first index among equal maxima) without the ``[num_rows, vocab_size]`` logits, by
+        the LM head's fused argmax kernel (``quant.argmax_linear``): the same sums as
+        ``compute_logits``, so the same tokens.
+
+        Returns None, and the caller computes the logits, where that kernel does not apply:
+        a dense LM head, activations off the fp32 CPU path, tensor parallelism (each rank
+        holds a vocabulary slice), and Gemma 2's final-logit soft-capping (``tanh`` is
+        monotonic, but in fp32 it can round two nearly equal top logits to one value, and
+        the capped argmax then takes the lower index).
+        """
+        if (isinstance(self.lm_head, torch.Tensor) or self.tp_size > 1
+                or self.arch.final_logit_softcap is not None):
+            return None
+        return quant.argmax_linear(hidden, self.lm_head)
+

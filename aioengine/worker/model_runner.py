@@ -124,6 +124,25 @@ class CachedRequestState:
     draft_probs: torch.Tensor | None = None
 
 
+def plain_greedy(sampling_states: list[CachedRequestState], so: SchedulerOutput) -> bool:
+    """Whether every row of the step is picked by a bare argmax of its logits: greedy
+    (temperature 0), no logprobs, no penalties, no logit bias, no min_tokens ban of a stop
+    token yet, no grammar. Then ``sample`` would only take each row's argmax, and the LM
+    head's fused argmax (``compute_greedy_tokens``) gives the same tokens without the
+    logits. Speculative-decoding steps are decided by the caller (verification needs the
+    logits)."""
+    if so.grammar_bitmask is not None:
+        return False
+    for s in sampling_states:
+        p = s.sampling
+        if (p.temperature >= 1e-5 or p.logprobs >= 0
+                or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                or p.logit_bias
+                or (p.stop_token_ids and s.num_tokens - s.num_prompt_tokens < p.min_tokens)):
+            return False
+    return True
+
+
 def grammar_bitmask_rows(so: SchedulerOutput, sampling_states: list[CachedRequestState]
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(rows, bitmask)`` for ``SamplingBatch.grammar_bitmask``: the rows of
@@ -452,10 +471,16 @@ class ModelRunner:
         num_accepted_out = spec_token_ids = None
         t1 = time.perf_counter()
         if len(logits_indices):
-            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices)])
             sampling_states = [s for s, m in zip(states, sampling_mask) if m]
+            hidden_rows = hidden[torch.from_numpy(logits_indices)]
             num_accepted = None
-            if logits is not None and num_draft is not None:
+            # Plain greedy rows need only the argmax: the LM head's fused kernel, no logits
+            greedy = (self.model.compute_greedy_tokens(hidden_rows)
+                      if num_draft is None and plain_greedy(sampling_states, so) else None)
+            logits = self.model.compute_logits(hidden_rows) if greedy is None else None
+            if greedy is not None:
+                tokens, logprobs = greedy, None
+            elif logits is not None and num_draft is not None:
                 tokens, num_accepted, logprobs = verifier.verify(
                     self, logits, sampling_states, num_draft[sampling_mask], so,
                     lambda lg, st: self._sample(lg, st, so))

@@ -13,7 +13,8 @@
 // - linear (fp32): y = x @ w^T (+ bias); a skinny kernel up to 16 rows of x, MKL's
 //   GEMM above.
 // - quant_dequantize / quant_linear / quant_embedding: GGML block formats read in
-//   place (quant_ops.h, quant_ops.cpp); the GEMM (9+ rows) on AMX-BF16 tiles where the
+//   place (quant_ops.h, quant_ops.cpp); quant_linear_argmax: the greedy LM head, the
+//   argmax of each row of quant_linear's output without writing it; the GEMM (9+ rows) on AMX-BF16 tiles where the
 //   CPU has them (quant_amx.h; set_amx, set_bf16_gemm).
 // - LlamaDecodeLayers (fp32 activations): a decoder-layer stack for one decode step in
 //   one call, built from the kernels above; each projection is dense fp32 or quantized
@@ -62,6 +63,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &aioengine::quant_linear, pybind11::arg("x"), pybind11::arg("parts"),
         pybind11::arg("qtypes"), pybind11::arg("cols"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("isa") = -1, release());
+  m.def("quant_linear_argmax", &aioengine::quant_linear_argmax, pybind11::arg("x"),
+        pybind11::arg("parts"), pybind11::arg("qtypes"), pybind11::arg("cols"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = -1, release());
   m.def("quant_embedding", &aioengine::quant_embedding, pybind11::arg("ids"),
         pybind11::arg("data"), pybind11::arg("qtype"), pybind11::arg("cols"),
         pybind11::arg("isa") = -1, release());

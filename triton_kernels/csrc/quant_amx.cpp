@@ -120,8 +120,9 @@ void pack_weight_rows(const float* w, int64_t ldw, int64_t rows, int64_t K, bool
     }
 }
 
-void gemm_tile(const uint16_t* a_hi, const uint16_t* a_lo, int64_t rows,
-               const PackedActivations& x, float* y, int64_t ldy, const float* bias) {
+void gemm_tile(uint16_t* a_hi, uint16_t* a_lo, int64_t rows, const PackedActivations& x,
+               float* y, int64_t ldy, const float* bias, const ChunkDecoder* decoder, int64_t n0,
+               const RowArgmax* argmax) {
   const int64_t chunks = x.k_chunks;
   const bool x3 = x.precision == Precision::kBf16x3;
   // Four accumulators, C[a][b] for A tile a and B tile b (tmm4 + 2a + b): a tile product
@@ -129,6 +130,8 @@ void gemm_tile(const uint16_t* a_hi, const uint16_t* a_lo, int64_t rows,
   alignas(64) float c[2][2][kTile][kTile];
   const int64_t a_tiles = rows > kTile ? 2 : 1;
   const int64_t stride = chunks * kTileElems;  // between B tiles of consecutive row groups
+  const int64_t a_stride = 2 * kTileElems;      // between chunks of the A tiles
+  if (decoder != nullptr) decoder->decode(decoder->ctx, 0, a_hi, a_lo);
   for (int64_t mt = 0; mt < x.row_tiles; mt += 2) {
     const bool two = mt + 1 < x.row_tiles;
     const uint16_t* b0 = x.hi.data() + mt * stride;
@@ -138,7 +141,7 @@ void gemm_tile(const uint16_t* a_hi, const uint16_t* a_lo, int64_t rows,
     _tile_zero(6);
     _tile_zero(7);
     for (int64_t kc = 0; kc < chunks; ++kc) {
-      const int64_t off = kc * kTileElems, a_off = 2 * off;
+      const int64_t off = kc * kTileElems, a_off = kc * a_stride;
       _tile_loadd(0, a_hi + a_off, 64);
       _tile_loadd(1, a_hi + a_off + kTileElems, 64);
       _tile_loadd(2, b0 + off, 64);
@@ -149,30 +152,64 @@ void gemm_tile(const uint16_t* a_hi, const uint16_t* a_lo, int64_t rows,
         _tile_dpbf16ps(5, 0, 3);
         _tile_dpbf16ps(7, 1, 3);
       }
-      if (!x3) continue;
-      _tile_loadd(2, l0 + off, 64);  // A hi x B lo
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_dpbf16ps(6, 1, 2);
-      if (two) {
-        _tile_loadd(3, l0 + stride + off, 64);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
+      if (x3) {
+        _tile_loadd(2, l0 + off, 64);  // A hi x B lo
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(6, 1, 2);
+        if (two) {
+          _tile_loadd(3, l0 + stride + off, 64);
+          _tile_dpbf16ps(5, 0, 3);
+          _tile_dpbf16ps(7, 1, 3);
+        }
+        _tile_loadd(0, a_lo + a_off, 64);  // A lo x B hi
+        _tile_loadd(1, a_lo + a_off + kTileElems, 64);
+        _tile_loadd(2, b0 + off, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(6, 1, 2);
+        if (two) {
+          _tile_loadd(3, b0 + stride + off, 64);
+          _tile_dpbf16ps(5, 0, 3);
+          _tile_dpbf16ps(7, 1, 3);
+        }
       }
-      _tile_loadd(0, a_lo + a_off, 64);  // A lo x B hi
-      _tile_loadd(1, a_lo + a_off + kTileElems, 64);
-      _tile_loadd(2, b0 + off, 64);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_dpbf16ps(6, 1, 2);
-      if (two) {
-        _tile_loadd(3, b0 + stride + off, 64);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
-      }
+      // The next chunk's weights, decoded while the AMX unit works on this one's products
+      if (decoder != nullptr && mt == 0 && kc + 1 < chunks)
+        decoder->decode(decoder->ctx, kc + 1, a_hi + a_off + a_stride,
+                        x3 ? a_lo + a_off + a_stride : nullptr);
     }
     _tile_stored(4, c[0][0], 64);
     _tile_stored(5, c[0][1], 64);
     _tile_stored(6, c[1][0], 64);
     _tile_stored(7, c[1][1], 64);
+    if (argmax != nullptr) {
+      // C[a][t] row r holds weight row r0 + r against 16 rows of x: one vector compare a
+      // row keeps the running maximum of 16 rows of x at once, in increasing r.
+      for (int64_t t = 0; t < (two ? 2 : 1); ++t) {
+        float* value = argmax->value + (mt + t) * kTile;
+        int64_t* index = argmax->index + (mt + t) * kTile;
+        __m512 best = _mm512_loadu_ps(value);
+        __m512i best_lo = _mm512_loadu_si512(index), best_hi = _mm512_loadu_si512(index + 8);
+        for (int64_t a = 0; a < a_tiles; ++a) {
+          const int64_t r0 = a * kTile, rr = std::min(kTile, rows - r0);
+          for (int64_t r = 0; r < rr; ++r) {
+            __m512 v = _mm512_load_ps(c[a][t][r]);
+            if (bias != nullptr) v = _mm512_add_ps(v, _mm512_set1_ps(bias[r0 + r]));
+            const __mmask16 take =
+                _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
+                (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & ~_mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q));
+            if (take == 0) continue;
+            const __m512i n = _mm512_set1_epi64(n0 + r0 + r);
+            best = _mm512_mask_mov_ps(best, take, v);
+            best_lo = _mm512_mask_mov_epi64(best_lo, static_cast<__mmask8>(take), n);
+            best_hi = _mm512_mask_mov_epi64(best_hi, static_cast<__mmask8>(take >> 8), n);
+          }
+        }
+        _mm512_storeu_ps(value, best);
+        _mm512_storeu_si512(index, best_lo);
+        _mm512_storeu_si512(index + 8, best_hi);
+      }
+      continue;
+    }
     // C holds y^T: column m of C[a][b] is row m of y's 16 outputs, gathered 16 at a time.
     const __m512i column = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -203,8 +240,8 @@ void tile_release() {}
 void pack_weight_rows(const float*, int64_t, int64_t, int64_t, bool, uint16_t*, uint16_t*) {
   TORCH_CHECK(false, "amx: this build has no AMX-BF16 code");
 }
-void gemm_tile(const uint16_t*, const uint16_t*, int64_t, const PackedActivations&, float*,
-               int64_t, const float*) {
+void gemm_tile(uint16_t*, uint16_t*, int64_t, const PackedActivations&, float*, int64_t,
+               const float*, const ChunkDecoder*, int64_t, const RowArgmax*) {
   TORCH_CHECK(false, "amx: this build has no AMX-BF16 code");
 }
 

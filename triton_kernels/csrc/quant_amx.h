@@ -63,10 +63,31 @@ inline int64_t weight_tile_elems(int64_t K) { return (K + 31) / 32 * kWeightRows
 void pack_weight_rows(const float* w, int64_t ldw, int64_t rows, int64_t K, bool x3,
                       uint16_t* hi, uint16_t* lo);
 
+// Fills chunk kc (32 values of K) of the A tiles of gemm_tile (hi, and lo when given) for
+// all kWeightRows rows, from the caller's weight tile (ctx): gemm_tile calls it for chunk
+// kc + 1 right after issuing chunk kc's tile products, so the AMX unit multiplies while
+// the core decodes (the rows of a 32-value format are decoded in registers, quant_ops.cpp).
+struct ChunkDecoder {
+  void (*decode)(const void* ctx, int64_t kc, uint16_t* hi, uint16_t* lo) = nullptr;
+  const void* ctx = nullptr;
+};
+
+// The running argmax of y's rows (the fused greedy LM head): per row m of x, the largest
+// value seen so far and its weight row; a later row replaces it only if strictly larger
+// (or the first NaN, as torch.max treats NaN as the largest), so ties keep the lowest
+// index when rows arrive in increasing order. Arrays of x.row_tiles * 16 entries.
+struct RowArgmax {
+  float* value = nullptr;
+  int64_t* index = nullptr;
+};
+
 // y[m * ldy + r] = dot(x[m], w[r]) (+ bias[r]) for m < x.rows, r < rows (<= kWeightRows),
-// w given as A tiles (a_lo only read for kBf16x3).
-void gemm_tile(const uint16_t* a_hi, const uint16_t* a_lo, int64_t rows,
-               const PackedActivations& x, float* y, int64_t ldy, const float* bias);
+// w given as A tiles (a_lo only read for kBf16x3). With `decoder`, the A tiles are filled
+// chunk by chunk here (a_hi/a_lo are then its output buffers). With `argmax`, y is not
+// written: argmax is updated with weight rows n0 + r instead (same sums, bit for bit).
+void gemm_tile(uint16_t* a_hi, uint16_t* a_lo, int64_t rows, const PackedActivations& x,
+               float* y, int64_t ldy, const float* bias, const ChunkDecoder* decoder = nullptr,
+               int64_t n0 = 0, const RowArgmax* argmax = nullptr);
 
 }  // namespace amx
 }  // namespace aioengine

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -669,38 +670,50 @@ Gemv gemv(int qtype, int M, int R) {
 }
 
 #if defined(__AVX512BF16__)
-// AMX A tiles (quant_amx.h) of up to amx::kWeightRows rows straight from a 32-value
-// format's blocks: each block is a chunk of K, decoded in registers as for the GEMV.
+// AMX A tiles (quant_amx.h) straight from a 32-value format's blocks, one chunk of K at a
+// time: block kc of each weight row, decoded in registers as for the GEMV, into the
+// chunk's 32 rows x 32 values (hi/lo point at the chunk).
 template <int QT, int TS>
-void bf16_rows(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t blocks,
-               uint16_t* hi, uint16_t* lo) {
-  for (int64_t r = 0; r < amx::kWeightRows; ++r)
-    for (int64_t i = 0; i < blocks; ++i) {
-      const int64_t at = (i * amx::kWeightRows + r) * QK;
-      if (r < rows) {
-        __m512 a, b;
-        block32<QT>(w + r * row_stride + i * TS, &a, &b);
-        simd::bf16_split(a, b, hi + at, lo != nullptr ? lo + at : nullptr);
-      } else {
-        std::memset(hi + at, 0, 2 * QK);
-        if (lo != nullptr) std::memset(lo + at, 0, 2 * QK);
-      }
-    }
+void bf16_chunk(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t kc, uint16_t* hi,
+                uint16_t* lo) {
+  const uint8_t* b = w + kc * TS;
+  int64_t r = 0;
+  for (; r < rows; ++r, b += row_stride) {
+    __m512 v0, v1;
+    block32<QT>(b, &v0, &v1);
+    simd::bf16_split(v0, v1, hi + r * QK, lo != nullptr ? lo + r * QK : nullptr);
+  }
+  for (; r < amx::kWeightRows; ++r) {
+    std::memset(hi + r * QK, 0, 2 * QK);
+    if (lo != nullptr) std::memset(lo + r * QK, 0, 2 * QK);
+  }
 }
 
-using Bf16Rows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, uint16_t*);
+using Bf16Chunk = void (*)(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, uint16_t*);
 
-// The direct decoder of a format, or nullptr (the others go through the fp32 buffer).
-Bf16Rows bf16_rows_for(int qtype) {
+Bf16Chunk bf16_chunk_for(int qtype) {
   switch (qtype) {
-    case kQ8_0: return bf16_rows<kQ8_0, 34>;
-    case kQ4_0: return bf16_rows<kQ4_0, 18>;
-    case kQ4_1: return bf16_rows<kQ4_1, 20>;
-    case kQ5_0: return bf16_rows<kQ5_0, 22>;
-    case kQ5_1: return bf16_rows<kQ5_1, 24>;
+    case kQ8_0: return bf16_chunk<kQ8_0, 34>;
+    case kQ4_0: return bf16_chunk<kQ4_0, 18>;
+    case kQ4_1: return bf16_chunk<kQ4_1, 20>;
+    case kQ5_0: return bf16_chunk<kQ5_0, 22>;
+    case kQ5_1: return bf16_chunk<kQ5_1, 24>;
     default: return nullptr;
   }
 }
+
+// amx::ChunkDecoder's context: one weight tile of a 32-value format.
+struct ChunkSource {
+  Bf16Chunk fn;
+  const uint8_t* data;
+  int64_t row_stride, rows;
+};
+
+void decode_chunk(const void* ctx, int64_t kc, uint16_t* hi, uint16_t* lo) {
+  const ChunkSource& c = *static_cast<const ChunkSource*>(ctx);
+  c.fn(c.data, c.row_stride, c.rows, kc, hi, lo);
+}
+
 #endif
 
 }  // namespace avx512
@@ -1052,8 +1065,58 @@ std::atomic<bool> bf16_gemm_on{true};
 void set_bf16_gemm(bool on) { bf16_gemm_on.store(on); }
 bool bf16_gemm() { return bf16_gemm_on.load(); }
 
-void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
-                       const QuantLinear& w, const float* bias, Isa isa) {
+namespace {
+
+// Each thread's running argmax of y's rows over the tiles it computed (quant_linear_argmax_into).
+struct ThreadArgmax {
+  std::vector<float> value;
+  std::vector<int64_t> index;
+};
+
+// value/index[m] <- the first largest of yt[m * ldt + r] (r < rows; weight rows n0 + r) if it
+// beats them (strictly larger, or the first NaN: torch.max's order).
+void row_argmax_update(const float* yt, int64_t ldt, int64_t M, int64_t rows, int64_t n0,
+                       float* value, int64_t* index) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* v = yt + m * ldt;
+    float best = value[m];
+    if (std::isnan(best)) continue;  // the first NaN stays
+    int64_t at = -1;
+#if defined(__AVX512F__)
+    // 16 at a time: the chunk's maximum, then its first lane equal to it.
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const __mmask16 k = rows - r0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows - r0)) - 1);
+      const __m512 c = _mm512_mask_loadu_ps(neg_inf, k, v + r0);
+      const __mmask16 nan = _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q);
+      if (nan != 0) {
+        best = std::numeric_limits<float>::quiet_NaN();
+        at = r0 + __builtin_ctz(nan);
+        break;
+      }
+      const float mx = _mm512_reduce_max_ps(c);
+      if (mx > best) {
+        best = mx;
+        at = r0 + __builtin_ctz(_mm512_cmp_ps_mask(c, _mm512_set1_ps(mx), _CMP_EQ_OQ));
+      }
+    }
+#else
+    for (int64_t r = 0; r < rows; ++r) {
+      if (v[r] > best || (std::isnan(v[r]) && !std::isnan(best))) {
+        best = v[r];
+        at = r;
+      }
+    }
+#endif
+    if (at >= 0) {
+      value[m] = best;
+      index[m] = n0 + at;
+    }
+  }
+}
+
+void quant_linear_impl(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
+                       const QuantLinear& w, const float* bias, Isa isa, int64_t* argmax_out) {
   const int64_t K = w.cols;
   // Tile height: at decode 4 rows keep the buffer in L1 and give the threads many tiles;
   // for batches 16 rows (32 on AMX: two A tiles) are dequantized once for all rows of x.
@@ -1103,10 +1166,26 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
     dequant[p] = row_dequant(w.parts[p].qtype, isa);
     row_bytes[p] = K / block_size(w.parts[p].qtype) * type_size(w.parts[p].qtype);
   }
+  // Fused argmax: each thread's tiles go to a small buffer (ldt = T) instead of y, and
+  // only the running argmax of its rows is kept (AMX: taken from the C tiles directly).
+  const bool fused_argmax = argmax_out != nullptr;
+  const int64_t padded = (M + 15) / 16 * 16;
+  std::vector<ThreadArgmax> per_thread(fused_argmax ? at::get_num_threads() : 0);
+  for (ThreadArgmax& a : per_thread) {
+    a.value.assign(padded, -std::numeric_limits<float>::infinity());
+    a.index.assign(padded, std::numeric_limits<int64_t>::max());
+  }
   at::parallel_for(0, first_tile.back(), 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> buffer;
+    thread_local std::vector<float> buffer, y_tile;
     if (static_cast<int64_t>(buffer.size()) < T * K) buffer.resize(T * K);
     float* buf = buffer.data();
+    ThreadArgmax* mine = nullptr;
+    amx::RowArgmax row_argmax;
+    if (fused_argmax) {
+      mine = &per_thread[at::get_thread_num()];
+      row_argmax = {mine->value.data(), mine->index.data()};
+      if (static_cast<int64_t>(y_tile.size()) < M * T) y_tile.resize(M * T);
+    }
     thread_local std::vector<uint16_t> a_hi, a_lo;  // AMX A tiles
     if (use_amx) {
       a_hi.resize(amx::weight_tile_elems(K));
@@ -1119,6 +1198,10 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
       const WeightPart& part = w.parts[p];
       const int64_t r0 = (t - first_tile[p]) * T, rows = std::min(T, part.rows - r0);
       const int64_t n0 = first_row[p] + r0;
+      // Where this tile's outputs go: y, or (fused argmax) the thread's tile buffer.
+      float* const yt = fused_argmax ? y_tile.data() : y + n0;
+      const int64_t ldt = fused_argmax ? T : ldy;
+      const float* const bt = bias != nullptr ? bias + n0 : nullptr;
       // At decode the weight streams from DRAM once per step: ask for a tile a few tiles
       // ahead, so the misses of one thread overlap instead of queueing behind its compute.
       if (t + kPrefetchTiles < end && t + kPrefetchTiles < first_tile[p + 1]) {
@@ -1134,10 +1217,11 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
         for (int64_t m0 = 0; m0 < M; m0 += 4)
           vnni::gemv(part.qtype, static_cast<int>(std::min<int64_t>(4, M - m0)), R)(
               part.data + r0 * part.row_stride, part.row_stride, K / QK, *q8_of[p], m0,
-              y + m0 * ldy + n0, ldy);
-        if (bias != nullptr)
+              yt + m0 * ldt, ldt);
+        if (bt != nullptr)
           for (int64_t m = 0; m < M; ++m)
-            for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] += bias[n0 + r];
+            for (int64_t r = 0; r < rows; ++r) yt[m * ldt + r] += bt[r];
+        if (fused_argmax) row_argmax_update(yt, ldt, M, rows, n0, row_argmax.value, row_argmax.index);
         continue;
       }
 #endif
@@ -1147,25 +1231,30 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
         for (int64_t m0 = 0; m0 < M; m0 += 4)  // up to 8 rows: decoding twice beats the buffer
           avx512::gemv(part.qtype, static_cast<int>(std::min<int64_t>(4, M - m0)), R)(
               part.data + r0 * part.row_stride, part.row_stride, K / QK, x + m0 * ldx, ldx,
-              y + m0 * ldy + n0, ldy);
-        if (bias != nullptr)
+              yt + m0 * ldt, ldt);
+        if (bt != nullptr)
           for (int64_t m = 0; m < M; ++m)
-            for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] += bias[n0 + r];
+            for (int64_t r = 0; r < rows; ++r) yt[m * ldt + r] += bt[r];
+        if (fused_argmax) row_argmax_update(yt, ldt, M, rows, n0, row_argmax.value, row_argmax.index);
         continue;
       }
 #endif
 #if defined(AIOENGINE_HAVE_AVX512) && defined(__AVX512BF16__)
       if (use_amx) {
         uint16_t* lo = x3 ? a_lo.data() : nullptr;
-        if (const avx512::Bf16Rows direct = avx512::bf16_rows_for(part.qtype)) {
-          direct(part.data + r0 * part.row_stride, part.row_stride, rows, K / QK, a_hi.data(), lo);
-        } else {
+        // 32-value formats: decoded chunk by chunk inside gemm_tile, overlapping the
+        // tile products; the others through the fp32 buffer first.
+        const avx512::ChunkSource source{avx512::bf16_chunk_for(part.qtype),
+                                         part.data + r0 * part.row_stride, part.row_stride, rows};
+        const amx::ChunkDecoder decoder{avx512::decode_chunk, &source};
+        if (source.fn == nullptr) {
           for (int64_t r = 0; r < rows; ++r)
             dequant[p](part.data + (r0 + r) * part.row_stride, K, buf + r * K);
           amx::pack_weight_rows(buf, K, rows, K, x3, a_hi.data(), lo);
         }
-        amx::gemm_tile(a_hi.data(), lo, rows, *xp, y + n0, ldy,
-                       bias != nullptr ? bias + n0 : nullptr);
+        amx::gemm_tile(a_hi.data(), lo, rows, *xp, yt, ldt, bt,
+                       source.fn != nullptr ? &decoder : nullptr, n0,
+                       fused_argmax ? &row_argmax : nullptr);
         continue;
       }
 #endif
@@ -1175,15 +1264,47 @@ void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64
         const int R = static_cast<int>(std::min<int64_t>(4, rows - rr));
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
           const int MM = static_cast<int>(std::min<int64_t>(4, M - m0));
-          micro(isa, MM, R, x + m0 * ldx, ldx, buf + rr * K, K, K, y + m0 * ldy + n0 + rr, ldy);
+          micro(isa, MM, R, x + m0 * ldx, ldx, buf + rr * K, K, K, yt + m0 * ldt + rr, ldt);
         }
       }
-      if (bias != nullptr)
+      if (bt != nullptr)
         for (int64_t m = 0; m < M; ++m)
-          for (int64_t r = 0; r < rows; ++r) y[m * ldy + n0 + r] += bias[n0 + r];
+          for (int64_t r = 0; r < rows; ++r) yt[m * ldt + r] += bt[r];
+      if (fused_argmax) row_argmax_update(yt, ldt, M, rows, n0, row_argmax.value, row_argmax.index);
     }
     if (use_amx) amx::tile_release();
   });
+  if (!fused_argmax) return;
+  // Threads took contiguous ranges of rows: the largest wins, ties the lowest index.
+  for (int64_t m = 0; m < M; ++m) {
+    float best = -std::numeric_limits<float>::infinity();
+    int64_t at = std::numeric_limits<int64_t>::max();
+    for (const ThreadArgmax& a : per_thread) {
+      const float v = a.value[m];
+      const int64_t i = a.index[m];
+      if (i == std::numeric_limits<int64_t>::max()) continue;  // that thread saw only -inf
+      const bool nan = std::isnan(v), best_nan = std::isnan(best);
+      const bool better = nan ? (!best_nan || i < at)
+                              : !best_nan && (v > best || (v == best && i < at));
+      if (better || at == std::numeric_limits<int64_t>::max()) {
+        best = v;
+        at = i;
+      }
+    }
+    argmax_out[m] = at == std::numeric_limits<int64_t>::max() ? 0 : at;  // all -inf: torch's 0
+  }
+}
+
+}  // namespace
+
+void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
+                       const QuantLinear& w, const float* bias, Isa isa) {
+  quant_linear_impl(y, ldy, x, ldx, M, w, bias, isa, nullptr);
+}
+
+void quant_linear_argmax_into(int64_t* out, const float* x, int64_t ldx, int64_t M,
+                              const QuantLinear& w, const float* bias, Isa isa) {
+  quant_linear_impl(nullptr, 0, x, ldx, M, w, bias, isa, out);
 }
 
 at::Tensor quant_dequantize(at::Tensor data, int64_t qtype, int64_t cols, int64_t isa) {
@@ -1214,6 +1335,27 @@ at::Tensor quant_linear(at::Tensor x, std::vector<at::Tensor> parts, std::vector
     quant_linear_into(y.data_ptr<float>(), w.rows, x.data_ptr<float>(), x.stride(0), x.size(0), w,
                       b, resolve_isa(isa));
   return y;
+}
+
+at::Tensor quant_linear_argmax(at::Tensor x, std::vector<at::Tensor> parts,
+                               std::vector<int64_t> qtypes, int64_t cols,
+                               c10::optional<at::Tensor> bias, int64_t isa) {
+  const QuantLinear w = make_quant_linear(parts, qtypes, cols);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.scalar_type() == at::kFloat &&
+                  x.stride(1) == 1 && x.device().is_cpu(),
+              "quant_linear_argmax: x must be fp32 [M, ", cols, "] with unit column stride");
+  TORCH_CHECK(w.rows > 0, "quant_linear_argmax: the weight has no rows");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == w.rows, "quant_linear_argmax: bias must be fp32 [", w.rows, "]");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.size(0) > 0)
+    quant_linear_argmax_into(out.data_ptr<int64_t>(), x.data_ptr<float>(), x.stride(0), x.size(0),
+                             w, b, resolve_isa(isa));
+  return out;
 }
 
 at::Tensor quant_embedding(at::Tensor ids, at::Tensor data, int64_t qtype, int64_t cols,

@@ -72,6 +72,14 @@ QuantLinear make_quant_linear(const std::vector<at::Tensor>& parts,
 void quant_linear_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
                        const QuantLinear& w, const float* bias, Isa isa);
 
+// out[m] = argmax_n (x[m] . w[n] (+ bias[n])) for m < M, the first index among equal maxima
+// (NaN counts as the largest, as in torch.argmax): the fused greedy LM head. The same tiles
+// and sums as quant_linear_into, so out equals the argmax of its y bit for bit, but y is
+// never written: each thread keeps a running argmax over its tiles (on AMX taken from the
+// C tiles, no transpose), merged at the end.
+void quant_linear_argmax_into(int64_t* out, const float* x, int64_t ldx, int64_t M,
+                              const QuantLinear& w, const float* bias, Isa isa);
+
 // int8 activations for the GEMV (M <= 8) of Q4_0, Q4_1 and Q8_0 weights on AVX-512 VNNI:
 // each 32-block of x quantized to int8 with one scale, integer dot products (llama.cpp's
 // q8 activations). Off by default; returns false (and stays off) on a build without VNNI.
@@ -94,6 +102,10 @@ at::Tensor quant_dequantize(at::Tensor data, int64_t qtype, int64_t cols, int64_
 at::Tensor quant_linear(at::Tensor x, std::vector<at::Tensor> parts,
                         std::vector<int64_t> qtypes, int64_t cols,
                         c10::optional<at::Tensor> bias, int64_t isa);
+// [M] int64: quant_linear_argmax_into over x [M, cols].
+at::Tensor quant_linear_argmax(at::Tensor x, std::vector<at::Tensor> parts,
+                               std::vector<int64_t> qtypes, int64_t cols,
+                               c10::optional<at::Tensor> bias, int64_t isa);
 at::Tensor quant_embedding(at::Tensor ids, at::Tensor data, int64_t qtype, int64_t cols,
                            int64_t isa);
 
