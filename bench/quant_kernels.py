@@ -16,6 +16,11 @@ Q4_1 projections, 128 tokens of context each) plus the Q8_0 LM head.
 portable one, fp32 and fp16 caches) beside its floor, the cache's bytes at the measured
 read bandwidth; ``--kv-cache-dtype float16`` runs ``--decode`` over an fp16 cache.
 
+``--argmax`` also times the fused greedy LM head (``quant.argmax_linear``: the same tiles,
+only each row's running argmax kept) on each path, and prints each weight's streaming
+floor (its bytes at the measured read bandwidth); ``--shapes lm_head,gate,down`` keeps
+only those shapes.
+
 ``--q8`` also times Q4_0/Q4_1/Q8_0 with int8 activations (``AIOENGINE_Q8_ACTIVATIONS=1``:
 VNNI dot products at 1-2 rows of Q4_0/Q4_1 and 1-8 of Q8_0), interleaved with the fp32
 activations, and the decode step both ways.
@@ -26,6 +31,7 @@ On a CPU with AMX-BF16 the kernel columns are the exact fp32 path (AMX off,
 times the step both ways too. ``--breakdown`` adds the fused step's time by op.
 
 Usage: python bench/quant_kernels.py [--formats Q4_1,Q8_0] [--rows 1,8,32,64]
+       [--shapes lm_head,gate,down] [--argmax]
        [--decode] [--decode-batch 1,32] [--threads N] [--clock wall|cpu] [--min-time 0.3]
        [--q8] [--breakdown] [--kv-cache-dtype float16] [--attention]
 
@@ -132,9 +138,12 @@ AMX = False
 
 
 def bench_linears(formats: list[QT], rows: list[int], min_time: float,
-                  q8: bool = False) -> list[dict]:
+                  q8: bool = False, shapes: list[str] | None = None, argmax: bool = False,
+                  read_gbs: float | None = None) -> list[dict]:
     results = []
     for name, n, k in SHAPES:
+        if shapes and not any(want in name for want in shapes):
+            continue
         dense = torch.randn(n, k) * 0.02
         weights = {fmt: random_weight(fmt, n, k, seed=n + k) for fmt in formats}
         for m in rows:
@@ -155,8 +164,18 @@ def bench_linears(formats: list[QT], rows: list[int], min_time: float,
                         sa = time_call(lambda x=x, w=w: quant.linear(x, w), min_time)
                         row[f"{fmt.name}_{mode}_us"] = sa * 1e6
                         row[f"{fmt.name}_{mode}_speedup"] = fp32_s / sa
+                        if argmax and bf16:
+                            sg = time_call(lambda x=x, w=w: quant.argmax_linear(x, w), min_time)
+                            row[f"{fmt.name}_amx_argmax_us"] = sg * 1e6
                     cpu_ops.set_bf16_gemm(cpu_ops.bf16_gemm_requested())
                 cpu_ops.set_amx(amx or cpu_ops.amx_requested())
+                if argmax:  # the fused greedy head on the exact path (AMX off)
+                    cpu_ops.set_amx(False)
+                    sg = time_call(lambda x=x, w=w: quant.argmax_linear(x, w), min_time)
+                    cpu_ops.set_amx(amx or cpu_ops.amx_requested())
+                    row[f"{fmt.name}_argmax_us"] = sg * 1e6
+                if read_gbs:
+                    row[f"{fmt.name}_floor_us"] = w.nbytes / (read_gbs * 1e9) * 1e6
                 row[f"{fmt.name}_us"] = s * 1e6
                 row[f"{fmt.name}_gbs"] = w.nbytes / s / 1e9
                 row[f"{fmt.name}_gflops"] = flops / s / 1e9
@@ -181,6 +200,11 @@ def bench_linears(formats: list[QT], rows: list[int], min_time: float,
                                         f"x{row[f'{fmt.name}_{mode}_speedup']:4.2f}"
                                         for mode in ("amx", "x3")
                                         if f"{fmt.name}_{mode}_us" in row)
+                              + "".join(f" {label} {row[f'{fmt.name}_{key}_us']:8.1f} us"
+                                        for label, key in (("argmax", "argmax"),
+                                                           ("amx argmax", "amx_argmax"),
+                                                           ("floor", "floor"))
+                                        if f"{fmt.name}_{key}_us" in row)
                               for fmt in formats)
             print(f"{name:>11} {n:6d}x{k:<5d} M={m:<3d} fp32 {row['fp32_us']:8.1f} us "
                   f"{row['fp32_gbs']:5.1f} GB/s {row['fp32_gflops']:6.1f} GF/s | {cells}",
@@ -334,6 +358,13 @@ def main() -> None:
     parser.add_argument("--attention", action="store_true",
                         help="decode attention alone at --decode-batch sizes (blocked vs "
                              "portable kernel, fp32 and fp16 caches) beside its bandwidth floor")
+    parser.add_argument("--shapes", default="",
+                        help="only these of the linear shapes (comma-separated parts of their "
+                             "names, e.g. lm_head,gate,down); default all")
+    parser.add_argument("--argmax", action="store_true",
+                        help="also time the fused greedy argmax (quant.argmax_linear: no "
+                             "output written) on each path, and print each weight's "
+                             "streaming floor (its bytes at the measured read bandwidth)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -361,7 +392,9 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",") if r]  # "": decode only
     report = {"cpu": model, "flags": flags, "threads": threads, "clock": args.clock,
               "loadavg": os.getloadavg()[0], "ceilings": ceiling,
-              "linears": bench_linears(formats, rows, args.min_time, args.q8)}
+              "linears": bench_linears(formats, rows, args.min_time, args.q8,
+                                       [n for n in args.shapes.split(",") if n], args.argmax,
+                                       ceiling["read_gbs"] if args.argmax else None)}
     kv_dtype = getattr(torch, args.kv_cache_dtype)
     if args.attention:
         report["attention"] = bench_attention(

@@ -7,10 +7,11 @@ block_size`` blocks of the format, rows back to back, so ``data`` is a uint8 ten
 ``gguf.GGMLQuantizationType`` values; block layouts are llama.cpp's
 (``ggml/src/ggml-common.h``; the ``gguf`` package's ``quants.py`` is their Python twin).
 
-The model calls only ``linear``, ``argmax_linear``, ``embedding`` and ``fuse_rows``; each runs the C++
-kernels (``csrc/quant_ops.cpp``) on fp32 CPU activations when they are built
-(``cpu_ops.load()``), Triton on CUDA (``quant_triton.dequant_matmul``), and the
-dequantize-then-``F.linear`` torch path (``quant_reference``) otherwise.
+The model calls only ``linear``, ``argmax_linear`` (the greedy LM head), ``embedding`` and
+``fuse_rows``; each runs the C++ kernels (``csrc/quant_ops.cpp``) on fp32 CPU activations
+when they are built (``cpu_ops.load()``), Triton on CUDA (``quant_triton.dequant_matmul``),
+and the dequantize-then-``F.linear`` torch path (``quant_reference``) otherwise
+(``argmax_linear`` returns None there: the caller takes the logits' argmax).
 """
 
 from __future__ import annotations
