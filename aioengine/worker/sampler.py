@@ -16,6 +16,10 @@ model's logits, where the exponential race over a partial sort it replaced took
 about 100 ms), elsewhere its torch twin ``triton_kernels.reference.sample_from_logits``.
 Seeded tokens changed with that switch (as vLLM's change between versions).
 
+A step whose rows are all plain greedy (no logprobs, penalties, logit bias, min_tokens
+ban or grammar: ``model_runner.plain_greedy``) never reaches this module: the LM head's
+fused argmax (``compute_greedy_tokens``) gives its tokens without writing the logits.
+
 Penalties follow the OpenAI definition (presence, frequency over generated
 tokens) and CTRL (Keskar et al. 2019, §4.1) for ``repetition_penalty`` over
 prompt and generated tokens, as vLLM applies them.
