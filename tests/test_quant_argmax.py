@@ -17,8 +17,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from aioengine.ipc.messages import SamplingMetadata
-from aioengine.worker.model_runner import plain_greedy
 from test_quant_cpu import ISAS, block_cols, random_weight
 from triton_kernels import cpu_ops, quant
 from triton_kernels.quant import QuantizedWeight
@@ -157,43 +155,13 @@ def test_fused_argmax_on_the_default_models_lm_head(two_threads, restore_gemm_se
             assert torch.equal(quant.argmax_linear(x, lm_head), quant.linear(x, lm_head).argmax(-1))
 
 
-def metadata(**kw) -> SamplingMetadata:
-    fields = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
-                  frequency_penalty=0.0, repetition_penalty=1.0, seed=0, logprobs=-1,
-                  min_tokens=0, stop_token_ids=[2], logit_bias=[])
-    fields.update(kw)
-    return SamplingMetadata(**fields)
-
-
-class _State:
-    def __init__(self, sampling: SamplingMetadata, num_tokens: int = 10) -> None:
-        self.sampling, self.num_tokens, self.num_prompt_tokens = sampling, num_tokens, 6
-
-
-class _Step:
-    grammar_bitmask = None
-
-
-def test_plain_greedy_only_when_every_row_needs_just_the_argmax():
-    plain = [_State(metadata()) for _ in range(3)]
-    assert plain_greedy(plain, _Step())
-    for change in (dict(temperature=0.8), dict(logprobs=0), dict(presence_penalty=0.5),
-                   dict(frequency_penalty=0.1), dict(repetition_penalty=1.2),
-                   dict(logit_bias=[(5, 2.0)]), dict(min_tokens=8)):
-        assert not plain_greedy(plain + [_State(metadata(**change))], _Step()), change
-    # min_tokens already reached: nothing is banned any more
-    assert plain_greedy(plain + [_State(metadata(min_tokens=4))], _Step())
-    step = _Step()
-    step.grammar_bitmask = b"\0" * 8
-    assert not plain_greedy(plain, step)
-
-
 @needs_kernels
 def test_the_runner_takes_the_fused_head_for_plain_greedy_steps_and_tokens_are_unchanged(
         monkeypatch):
     """The default model, 12 greedy requests side by side (GEMV and GEMM rows): the same
-    tokens with the fused head as with logits + sampler, and a request that asks for
-    logprobs sends its steps down the logits path (counted)."""
+    tokens with the fused head as with logits + sampler; a request that asks for logprobs,
+    a penalty, a logit bias or is under min_tokens sends its steps down the logits path
+    (calls counted)."""
     from aioengine import LLM, SamplingParams
 
     llm = LLM(executor="inproc", max_num_seqs=16, num_threads=1)
@@ -218,10 +186,15 @@ def test_the_runner_takes_the_fused_head_for_plain_greedy_steps_and_tokens_are_u
         unfused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert calls["logits"] >= 12
         assert with_fused == unfused
-        calls.update(fused=0, logits=0)
         monkeypatch.setattr(model, "compute_greedy_tokens", count("fused", fused))
-        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=3, logprobs=1,
-                                                 ignore_eos=True))
-        assert calls["fused"] == 0 and calls["logits"] >= 3
+        # a row that needs more than its argmax sends the whole step to logits + sampler
+        greedy = dict(temperature=0, max_tokens=3, ignore_eos=True)
+        for extra in (dict(logprobs=1), dict(presence_penalty=0.5), dict(repetition_penalty=1.2),
+                      dict(logit_bias={13: 1.0}),  # EOS (a stop token) banned throughout:
+                      dict(min_tokens=3, ignore_eos=False, stop_token_ids=[2])):
+            calls.update(fused=0, logits=0)
+            llm.generate(prompts[:2], [SamplingParams(**greedy),
+                                       SamplingParams(**{**greedy, **extra})])
+            assert calls["fused"] == 0 and calls["logits"] >= 3, extra
     finally:
         llm.shutdown()

@@ -124,25 +124,6 @@ class CachedRequestState:
     draft_probs: torch.Tensor | None = None
 
 
-def plain_greedy(sampling_states: list[CachedRequestState], so: SchedulerOutput) -> bool:
-    """Whether every row of the step is picked by a bare argmax of its logits: greedy
-    (temperature 0), no logprobs, no penalties, no logit bias, no min_tokens ban of a stop
-    token yet, no grammar. Then ``sample`` would only take each row's argmax, and the LM
-    head's fused argmax (``compute_greedy_tokens``) gives the same tokens without the
-    logits. Speculative-decoding steps are decided by the caller (verification needs the
-    logits)."""
-    if so.grammar_bitmask is not None:
-        return False
-    for s in sampling_states:
-        p = s.sampling
-        if (p.temperature >= 1e-5 or p.logprobs >= 0
-                or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                or p.logit_bias
-                or (p.stop_token_ids and s.num_tokens - s.num_prompt_tokens < p.min_tokens)):
-            return False
-    return True
-
-
 def grammar_bitmask_rows(so: SchedulerOutput, sampling_states: list[CachedRequestState]
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(rows, bitmask)`` for ``SamplingBatch.grammar_bitmask``: the rows of
@@ -196,6 +177,16 @@ def weights_to_device(weights: dict[str, Any], device: torch.device) -> dict[str
     return weights
 
 
+def argmax_only(batch: SamplingBatch) -> bool:
+    """Whether ``sample`` would take each row's bare argmax: every row greedy with nothing
+    to adjust (no logit bias, min_tokens mask, penalties, grammar, logprobs). Such a step
+    on the CPU takes the LM head's fused argmax (``compute_greedy_tokens``: no logits),
+    on a GPU its argmax on the device (``needs_host_sampler``)."""
+    return (batch.all_greedy and batch.logit_bias is None and batch.min_tokens_mask is None
+            and not batch.need_penalties and batch.grammar_bitmask is None
+            and all(n < 0 for n in batch.num_logprobs))
+
+
 def needs_host_sampler(batch: SamplingBatch) -> bool:
     """Whether a step's logits on a GPU go to the host for the sampler.
 
@@ -209,9 +200,7 @@ def needs_host_sampler(batch: SamplingBatch) -> bool:
     cover the GPU path too; the torch twin on the device is the way to go once sampled
     rows dominate a GPU's step time (docs/gpu.md).
     """
-    return not (batch.all_greedy and batch.logit_bias is None
-                and batch.min_tokens_mask is None and not batch.need_penalties
-                and batch.grammar_bitmask is None and all(n < 0 for n in batch.num_logprobs))
+    return not argmax_only(batch)
 
 
 class ModelRunner:
@@ -474,9 +463,11 @@ class ModelRunner:
             sampling_states = [s for s, m in zip(states, sampling_mask) if m]
             hidden_rows = hidden[torch.from_numpy(logits_indices)]
             num_accepted = None
-            # Plain greedy rows need only the argmax: the LM head's fused kernel, no logits
+            batch = self._step_sampling_batch(sampling_states, so) if num_draft is None else None
+            # Rows that need only their argmax: the LM head's fused kernel, no logits (None
+            # where it does not apply: a dense head, tensor parallelism, CUDA, soft-capping)
             greedy = (self.model.compute_greedy_tokens(hidden_rows)
-                      if num_draft is None and plain_greedy(sampling_states, so) else None)
+                      if batch is not None and argmax_only(batch) else None)
             logits = self.model.compute_logits(hidden_rows) if greedy is None else None
             if greedy is not None:
                 tokens, logprobs = greedy, None
@@ -485,7 +476,7 @@ class ModelRunner:
                     self, logits, sampling_states, num_draft[sampling_mask], so,
                     lambda lg, st: self._sample(lg, st, so))
             elif logits is not None:
-                tokens, logprobs = self._sample(logits, sampling_states, so)
+                tokens, logprobs = self._sample(logits, sampling_states, so, batch)
             else:  # a tensor-parallel rank other than 0: rank 0 samples
                 tokens, logprobs = torch.empty(len(logits_indices), dtype=torch.int64), None
             if self.model.tp_size > 1:
@@ -518,14 +509,23 @@ class ModelRunner:
         return ModelRunnerOutput(so.step_id, sampled.tolist(), logprobs_out, t1 - t0, t2 - t1,
                                  num_accepted_out, spec_token_ids)
 
-    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState],
-                so: SchedulerOutput) -> tuple[torch.Tensor, list | None]:
-        """One token per row of ``logits`` ``[len(states), vocab]``."""
+    def _step_sampling_batch(self, states: list[CachedRequestState],
+                             so: SchedulerOutput) -> SamplingBatch:
+        """The rows' ``SamplingBatch`` with this step's grammar bitmask."""
         batch = self._sampling_batch(states)
         batch.grammar_bitmask = grammar_bitmask_rows(so, states)
         # A complete grammar allows only EOS: it wins over min_tokens (structured/min_tokens.py).
         batch.min_tokens_mask = lift_min_tokens_where_grammar_ends(batch.min_tokens_mask,
                                                                    batch.grammar_bitmask)
+        return batch
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState],
+                so: SchedulerOutput, batch: SamplingBatch | None = None
+                ) -> tuple[torch.Tensor, list | None]:
+        """One token per row of ``logits`` ``[len(states), vocab]`` (``batch``: the rows'
+        ``_step_sampling_batch`` when the caller has it)."""
+        if batch is None:
+            batch = self._step_sampling_batch(states, so)
         if logits.is_cuda:  # see needs_host_sampler; the engine wants host token ids
             if not needs_host_sampler(batch):
                 return greedy_tokens(logits).cpu(), None

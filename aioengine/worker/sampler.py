@@ -17,7 +17,7 @@ about 100 ms), elsewhere its torch twin ``triton_kernels.reference.sample_from_l
 Seeded tokens changed with that switch (as vLLM's change between versions).
 
 A step whose rows are all plain greedy (no logprobs, penalties, logit bias, min_tokens
-ban or grammar: ``model_runner.plain_greedy``) never reaches this module: the LM head's
+ban or grammar: ``model_runner.argmax_only``) never reaches this module: the LM head's
 fused argmax (``compute_greedy_tokens``) gives its tokens without writing the logits.
 
 Penalties follow the OpenAI definition (presence, frequency over generated
