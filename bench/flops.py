@@ -1,4 +1,5 @@
-"""The matmul FLOPs of a serving workload, and the machine's GEMM ceilings (issue 16).
+"""The matmul FLOPs and the memory traffic of a serving workload, and the machine's
+ceilings (issue 16).
 
 Issue 16's compute share: the FLOP/s a server achieved on a workload, against a large
 GEMM of the same dtype on the same threads. Only matrix products are counted (2 FLOPs
@@ -26,12 +27,31 @@ and ``O`` output tokens:
 load_hf_config``: a GGUF file's metadata or an HF ``config.json``), never constants.
 Mixture-of-experts configs are refused (their MLP FLOPs depend on routing).
 
-Nothing here imports torch except ``gemm_ceilings``.
+Roofline (Williams, Waterman and Patterson, "Roofline: an insightful visual performance
+model for multicore architectures", CACM 52(4), 2009): a step cannot take less than
+``max(FLOPs / peak FLOP/s, bytes / read bandwidth)``. The bytes a step must move
+(``step_work``), each counted once, as an ideal kernel would:
+
+- weights: every tensor of the file once per step, in its stored format (``WeightBytes``:
+  a GGUF file's tensor sizes, quantized blocks with their scales), the LM head only when
+  a row of the step samples; an untied token embedding only its looked-up rows;
+- KV cache read: per sequence of the step, the distinct keys its queries attend to (a
+  decode row at position ``p``: ``p + 1`` keys, ``min(p + 1, window)`` in a sliding
+  window layer), ``2 x K x d`` elements of the cache dtype per key and layer;
+- KV written: ``2 x K x d`` elements per token computed and layer.
+
+Activations and logits are left out (they stay in cache at these sizes). A workload's
+ceiling (``workload_roofline``) sums that bound over the steps of an ideal lock-step
+schedule of its requests: ``c`` streams run their requests in waves of ``c``, one step
+prefills a wave's prompts, then one step per further output token decodes every member.
+
+Nothing here imports torch except ``gemm_ceilings`` and ``read_bandwidth``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +60,13 @@ CEILING_DTYPES = (("fp32", "float32"), ("bf16", "bfloat16"))
 #: square sizes of the ceiling GEMMs: the ceiling is the fastest (on the AMX machine
 #: bf16 peaks at 1024^3, whose operands fit L2, and fp32 at 2048^3)
 CEILING_SIZES = (1024, 2048)
+#: tensor names of the token embedding and of an untied LM head (GGUF's, then HF's)
+EMBEDDING_NAMES = ("token_embd.weight", "model.embed_tokens.weight")
+LM_HEAD_NAMES = ("output.weight", "lm_head.weight")
+#: bytes per element of the KV cache dtypes (aioengine's ``--kv-cache-dtype`` names)
+KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: the read-bandwidth buffer: far past any last-level cache
+BANDWIDTH_BYTES = 4 * 10**9
 
 
 @dataclass(frozen=True)
@@ -117,6 +144,16 @@ class ModelFlops:
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
+    def kv_bytes_per_key(self, elem_bytes: int) -> int:
+        """One token's K and V in one layer: ``2 x K x d`` elements of ``elem_bytes``."""
+        return 2 * self.num_kv_heads * self.head_dim * elem_bytes
+
+    def kv_read_bytes(self, start: int, end: int, elem_bytes: int) -> int:
+        """The cache one sequence's queries at positions ``start .. end - 1`` read, every
+        key once (``keys_read``), summed over the layers (each at its own window)."""
+        return self.kv_bytes_per_key(elem_bytes) * sum(keys_read(start, end, w)
+                                                       for w in self.windows)
+
     def linear_flops(self, tokens: int) -> int:
         """``tokens`` rows through every layer's projections."""
         return 2 * tokens * self.num_layers * self.params_per_layer
@@ -157,6 +194,191 @@ def keys_attended(start: int, end: int, window: int | None = None) -> int:
     if lo > window:
         return window * (hi - lo + 1)
     return (lo + window) * (window - lo + 1) // 2 + window * (hi - window)
+
+
+def keys_read(start: int, end: int, window: int | None = None) -> int:
+    """The distinct keys that the queries at positions ``[start, end)`` attend to: keys
+    ``0 .. end - 1``, from ``start + 1 - window`` on in a sliding-window layer."""
+    if end <= start:
+        return 0
+    return end - (max(0, start + 1 - window) if window else 0)
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """A model's weights as stored, in bytes (a GGUF file: quantized blocks with their
+    scales, exactly what a kernel streams from memory).
+
+    Attributes:
+        total: every tensor of the file.
+        embedding: the token embedding (``token_embd.weight``).
+        embedding_row: one row of it (``embedding / vocab_size``).
+        lm_head: the LM head: ``output.weight``, or the embedding when tied.
+        tied: no separate LM head; the embedding is read as the LM head.
+    """
+
+    total: int
+    embedding: int
+    embedding_row: int
+    lm_head: int
+    tied: bool
+
+    @classmethod
+    def from_sizes(cls, nbytes: Mapping[str, int], vocab_size: int) -> WeightBytes:
+        """From each tensor's size in bytes, by name (GGUF or HF names).
+
+        Raises:
+            ValueError: no token embedding among the names.
+        """
+        emb = next((nbytes[n] for n in EMBEDDING_NAMES if n in nbytes), None)
+        if emb is None:
+            raise ValueError(f"no token embedding ({' or '.join(EMBEDDING_NAMES)})")
+        head = next((nbytes[n] for n in LM_HEAD_NAMES if n in nbytes), None)
+        return cls(total=sum(nbytes.values()), embedding=emb, embedding_row=emb // vocab_size,
+                   lm_head=emb if head is None else head, tied=head is None)
+
+    @classmethod
+    def from_gguf(cls, path: str) -> WeightBytes:
+        """From a GGUF file's tensor table (``aioengine.models.gguf_file``)."""
+        from aioengine.models.gguf_file import GGUFFile
+
+        tensors = GGUFFile.read(path).tensors
+        emb = next((tensors[n] for n in EMBEDDING_NAMES if n in tensors), None)
+        vocab = emb.shape[0] if emb is not None else 1
+        return cls.from_sizes({n: t.nbytes for n, t in tensors.items()}, vocab)
+
+    @property
+    def layers(self) -> int:
+        """Everything but the embedding and the LM head: projections and norms."""
+        return self.total - self.embedding - (0 if self.tied else self.lm_head)
+
+    def step_bytes(self, tokens: int, logits_rows: int) -> int:
+        """Weights a step of ``tokens`` rows, ``logits_rows`` of which sample, reads:
+        every layer once, the LM head once if any row samples, and the looked-up
+        embedding rows unless the tied LM head is read whole anyway."""
+        out = self.layers + (self.lm_head if logits_rows else 0)
+        if not (self.tied and logits_rows):
+            out += min(tokens, self.embedding // max(self.embedding_row, 1)) * self.embedding_row
+        return out
+
+    @property
+    def decode_bytes(self) -> int:
+        """A batch-1 decode step's weights: ``step_bytes(1, 1)``."""
+        return self.step_bytes(1, 1)
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one model step computes and moves.
+
+    Attributes:
+        rows: tokens computed (rows of every projection's GEMM).
+        flops: ``linear``, ``lm_head``, ``attention`` and their ``total``.
+        bytes: ``weights``, ``kv_read``, ``kv_write`` and their ``total``.
+    """
+
+    rows: int
+    flops: dict[str, int]
+    bytes: dict[str, int]
+
+    def seconds(self, peak_gflops: float, read_gbs: float) -> tuple[float, str]:
+        """The roofline bound on this step's time, ``max(FLOPs / peak, bytes /
+        bandwidth)`` in seconds, and which of ``"compute"``/``"memory"`` it is."""
+        compute = self.flops["total"] / (peak_gflops * 1e9)
+        memory = self.bytes["total"] / (read_gbs * 1e9)
+        return (compute, "compute") if compute > memory else (memory, "memory")
+
+
+def step_work(model: ModelFlops, weights: WeightBytes, kv_elem_bytes: int,
+              seqs: Iterable[tuple[int, int, bool]]) -> StepWork:
+    """One step's FLOPs and bytes. ``seqs``: per sequence of the step, ``(start, end,
+    samples)``: it computes positions ``start .. end - 1`` (a decode row: ``end = start
+    + 1``) and, if ``samples``, one row of logits. ``kv_elem_bytes``: bytes per element
+    of the KV cache (``KV_DTYPE_BYTES``)."""
+    rows = logits = attn = kv_read = 0
+    for start, end, samples in seqs:
+        rows += end - start
+        logits += bool(samples)
+        attn += model.attention_flops(start, end)
+        kv_read += model.kv_read_bytes(start, end, kv_elem_bytes)
+    flops = {"linear": model.linear_flops(rows), "lm_head": model.lm_head_flops(logits),
+             "attention": attn}
+    flops["total"] = sum(flops.values())
+    nbytes = {"weights": weights.step_bytes(rows, logits), "kv_read": kv_read,
+              "kv_write": rows * model.num_layers * model.kv_bytes_per_key(kv_elem_bytes)}
+    nbytes["total"] = sum(nbytes.values())
+    return StepWork(rows, flops, nbytes)
+
+
+def workload_steps(requests: Sequence[Mapping[str, Any]], concurrency: int
+                   ) -> list[tuple[str, list[tuple[int, int, bool]]]]:
+    """The steps of an ideal lock-step schedule of ``requests`` (records with
+    ``prompt_len``, ``output_len``, optional ``cached_tokens`` and ``start_s``;
+    completed ones only) on ``concurrency`` streams, each as ``(kind, seqs)``, ``seqs``
+    as ``step_work`` takes them: in start order, waves of ``concurrency`` requests; per
+    wave one ``"prefill"`` step computes every member's uncached prompt and samples its
+    first token, then ``"decode"`` step ``k`` (1 ..) feeds back token ``k`` of each
+    member with more than ``k`` output tokens."""
+    done = sorted((r for r in requests if r.get("ok", True)), key=lambda r: r.get("start_s", 0))
+    steps: list[tuple[str, list[tuple[int, int, bool]]]] = []
+    for w in range(0, len(done), max(concurrency, 1)):
+        wave = done[w:w + concurrency]
+        steps.append(("prefill", [(max(0, min(r.get("cached_tokens", 0), r["prompt_len"] - 1)),
+                                   r["prompt_len"], r["output_len"] > 0) for r in wave]))
+        for k in range(1, max(r["output_len"] for r in wave)):
+            steps.append(("decode", [(r["prompt_len"] + k - 1, r["prompt_len"] + k, True)
+                                     for r in wave if r["output_len"] > k]))
+    return steps
+
+
+def workload_roofline(model: ModelFlops, weights: WeightBytes, kv_elem_bytes: int,
+                      requests: Sequence[Mapping[str, Any]], concurrency: int,
+                      peak_gflops: Callable[[int], float], read_gbs: float) -> dict[str, Any]:
+    """The roofline ceiling of a load run: the output tokens of ``requests`` over the
+    sum, over ``workload_steps``, of each step's bound ``max(FLOPs / peak_gflops(rows),
+    bytes / read_gbs)`` (``peak_gflops``: GFLOP/s of the GEMM that a step of ``rows``
+    rows runs; ``read_gbs``: GB/s).
+
+    Returns ``tokens_per_s`` (the ceiling), ``seconds``, ``steps``, the seconds spent
+    in memory- and in compute-bound steps (``memory_bound_s``, ``compute_bound_s``) and
+    ``bound`` (the larger), the prefill steps' seconds (``prefill_s``), and
+    ``decode_step``: the mean of the widest decode steps (every wave member decoding)
+    with its ``rows``, ``flops``, ``bytes``, ``compute_ms``, ``memory_ms``, ``bound``
+    and ``ms`` (the larger); None without decode steps.
+    """
+    steps = workload_steps(requests, concurrency)
+    spent = {"memory": 0.0, "compute": 0.0}
+    prefill_s = 0.0
+    decode: list[StepWork] = []
+    for kind, seqs in steps:
+        work = step_work(model, weights, kv_elem_bytes, seqs)
+        seconds, bound = work.seconds(peak_gflops(work.rows), read_gbs)
+        spent[bound] += seconds
+        if kind == "prefill":
+            prefill_s += seconds
+        else:
+            decode.append(work)
+    out_tokens = sum(r["output_len"] for r in requests if r.get("ok", True))
+    total = spent["memory"] + spent["compute"]
+    out: dict[str, Any] = {
+        "tokens_per_s": out_tokens / total if total else 0.0, "seconds": total,
+        "steps": len(steps), "memory_bound_s": spent["memory"],
+        "compute_bound_s": spent["compute"], "prefill_s": prefill_s,
+        "bound": "memory" if spent["memory"] >= spent["compute"] else "compute",
+        "read_gbs": read_gbs, "kv_elem_bytes": kv_elem_bytes, "decode_step": None}
+    if decode:
+        rows = max(w.rows for w in decode)
+        full = [w for w in decode if w.rows == rows]
+        flops = {k: sum(w.flops[k] for w in full) / len(full) for k in full[0].flops}
+        nbytes = {k: sum(w.bytes[k] for w in full) / len(full) for k in full[0].bytes}
+        peak = peak_gflops(rows)
+        compute_ms = flops["total"] / (peak * 1e9) * 1e3
+        memory_ms = nbytes["total"] / (read_gbs * 1e9) * 1e3
+        out["decode_step"] = {"rows": rows, "flops": flops, "bytes": nbytes,
+                              "peak_gflops": peak, "compute_ms": compute_ms,
+                              "memory_ms": memory_ms, "ms": max(compute_ms, memory_ms),
+                              "bound": "compute" if compute_ms > memory_ms else "memory"}
+    return out
 
 
 def run_flops(model: ModelFlops, run: Mapping[str, Any]) -> dict[str, Any]:
@@ -216,3 +438,28 @@ def gemm_ceilings(threads: int, min_time: float = 1.0,
     finally:
         torch.set_num_threads(before)
     return out
+
+
+def read_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, passes: int = 5
+                   ) -> dict[str, Any]:
+    """Memory read bandwidth in GB/s (1e9 bytes/s) on ``threads`` threads: ``torch.sum``
+    of an fp32 buffer of ``nbytes`` (far past the caches; a streaming read, as the
+    weights and the KV cache are read), timed ``passes`` times, the fastest kept
+    (``read_gbs``; every pass in ``by_pass``). Allocates ``nbytes`` for the call."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(nbytes // 4)
+        buf.sum()  # touch every page once more before timing
+        by_pass = []
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            buf.sum()
+            by_pass.append(buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+        del buf
+    finally:
+        torch.set_num_threads(before)
+    return {"read_gbs": max(by_pass), "by_pass": [round(g, 2) for g in by_pass],
+            "bytes": nbytes // 4 * 4, "threads": threads}

@@ -10,11 +10,13 @@ ITL, TPOT and output tokens/s as the client sees them.
 
 Measured, in this order:
 
-0. The machine's ceilings on ``--threads`` threads: memory read bandwidth,
-   and ``torch.mm`` GEMMs in fp32 (MKL) and bf16 (oneDNN: AMX or AVX512-BF16
-   where the CPU has them) at 1024^3 and 2048^3, the fastest size of each
-   dtype kept (bench/flops.py's ``gemm_ceilings``); the GEMMs again after
-   step 5, the higher of the two kept.
+0. The machine's ceilings on ``--threads`` threads: memory read bandwidth
+   (``torch.sum`` of a ``--bandwidth-gb`` (4) GB fp32 buffer, best of 5 passes:
+   bench/flops.py's ``read_bandwidth``), and ``torch.mm`` GEMMs in fp32 (MKL)
+   and bf16 (oneDNN: AMX or AVX512-BF16 where the CPU has them) at 1024^3 and
+   2048^3, the fastest size of each dtype kept (bench/flops.py's
+   ``gemm_ceilings``); all of them again after step 5, the higher of the two
+   kept.
 1. Batch-1 decode, ours: the offline ``LLM`` (worker subprocess), tokens/s
    after the first token, as bench/throughput.py measures it. This also
    builds the C++ kernels if they are not built yet, so the server start
@@ -47,6 +49,19 @@ the fp32 and the bf16 GEMM ceiling. Our quantized GEMM runs AMX bf16 tiles at
 9+ rows on a CPU that has them (fp32 activations converted per tile), fp32
 GEMV below, so there the bf16 ceiling applies to the decode steps of 9+
 streams (and to every prefill), the fp32 one to 1-8 streams' decode steps.
+
+Roofline (Williams, Waterman, Patterson, CACM 2009): on an AMX CPU a decode step
+of 32 rows is bound by memory, not by the GEMM (it reads every weight and the
+32 sequences' KV cache), so each run is also put against its roofline ceiling:
+the output tokens over the sum of ``max(FLOPs / peak, bytes / read bandwidth)``
+over the steps of an ideal lock-step schedule (waves of ``c`` requests: one
+prefill step, then one decode step per further token), where ``peak`` is the
+GEMM ceiling of the dtype that a step of that many rows runs (``dtype_in_use``)
+and the bytes are the weights as stored in the GGUF file, the KV cache read at
+each sequence's context and the KV written, in the KV cache dtype the server
+runs (bench/flops.py's ``workload_roofline``). Reported per concurrency: the
+ceiling, our share of it, the bound that dominates, and the mean full decode
+step's bound in ms.
 
 The CPU model and its SIMD flags are printed first and stored with the
 figures. Ratios are ours / llama.cpp for throughput and llama.cpp / ours for
@@ -446,60 +461,45 @@ def llama_bench_decode(binary: Path, args: argparse.Namespace) -> dict:
     return out
 
 
-def decode_weight_bytes(model: str) -> int:
-    """Bytes a batch-1 decode step reads from the weights: every tensor of the
-    file, except that a token embedding with its own ``output.weight`` is read
-    one row per token (tied, it is the LM head and read whole)."""
-    from aioengine.models.gguf_file import GGUFFile
-
-    tensors = GGUFFile.read(model).tensors
-    total = sum(t.nbytes for t in tensors.values())
-    if "output.weight" in tensors and "token_embd.weight" in tensors:
-        total -= tensors["token_embd.weight"].nbytes
-    return total
-
-
 def roofline(args: argparse.Namespace) -> dict:
-    """The machine's ceilings on ``--threads`` threads, measured here (bench/
-    quant_kernels.py's ``ceilings``: the read bandwidth of a 512 MB sum and an
-    fp32 2048^3 GEMM; bench/flops.py's ``gemm_ceilings``: fp32 and bf16 GEMMs
-    at 1024^3 and 2048^3, the fastest of each dtype kept), and the batch-1
-    decode tok/s that the read bandwidth allows for this file's weights
+    """The machine's ceilings on ``--threads`` threads, measured here (bench/flops.py's
+    ``read_bandwidth``: a ``--bandwidth-gb`` GB fp32 sum, best of 5; ``gemm_ceilings``:
+    fp32 and bf16 GEMMs at 1024^3 and 2048^3, the fastest of each dtype kept), the
+    weights a batch-1 decode step reads (``WeightBytes.decode_bytes``: every tensor as
+    stored) and the batch-1 decode tok/s that the read bandwidth allows for them
     (memory-bound: one full read per token)."""
-    import torch
+    from bench.flops import WeightBytes, gemm_ceilings, read_bandwidth
 
-    from bench.flops import gemm_ceilings
-    from bench.quant_kernels import ceilings
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        out = ceilings(min_time=args.ceiling_time)
-    finally:
-        torch.set_num_threads(threads)
+    read = read_bandwidth(args.threads, int(args.bandwidth_gb * 1e9))
     gemm = gemm_ceilings(args.threads, args.ceiling_time)
-    out["gemm_by_size"] = gemm["by_size"]
-    out["fp32_gemm_gflops"] = max(out["fp32_gemm_gflops"], gemm["fp32_gemm_gflops"])
-    out["bf16_gemm_gflops"] = gemm["bf16_gemm_gflops"]
-    out["decode_weight_mb"] = decode_weight_bytes(args.model) / 1e6
+    out = {"read_gbs": read["read_gbs"], "read_by_pass": read["by_pass"],
+           "read_bytes": read["bytes"], "gemm_by_size": gemm["by_size"],
+           "fp32_gemm_gflops": gemm["fp32_gemm_gflops"],
+           "bf16_gemm_gflops": gemm["bf16_gemm_gflops"],
+           "decode_weight_mb": WeightBytes.from_gguf(args.model).decode_bytes / 1e6}
     out["batch1_roofline_tokens_per_s"] = out["read_gbs"] * 1e3 / out["decode_weight_mb"]
     return out
 
 
-def remeasure_gemm_ceilings(roof: dict, threads: int, min_time: float) -> None:
-    """The GEMM ceilings again after the load (``roof["gemm_end_by_size"]``); each
-    dtype's ceiling becomes the higher of the two: another job on the machine during
-    the first measurement would otherwise understate it and inflate the shares."""
-    from bench.flops import CEILING_DTYPES, gemm_ceilings
+def remeasure_ceilings(roof: dict, args: argparse.Namespace) -> None:
+    """The read bandwidth and the GEMM ceilings again after the load (``roof
+    ["read_end_by_pass"]``, ``roof["gemm_end_by_size"]``); each ceiling becomes the
+    higher of the two: another job on the machine during the first measurement would
+    otherwise understate it and inflate the shares."""
+    from bench.flops import CEILING_DTYPES, gemm_ceilings, read_bandwidth
 
-    end = gemm_ceilings(threads, min_time)
+    read = read_bandwidth(args.threads, int(args.bandwidth_gb * 1e9))
+    end = gemm_ceilings(args.threads, args.ceiling_time)
+    roof["read_end_by_pass"] = read["by_pass"]
+    roof["read_gbs"] = max(roof["read_gbs"], read["read_gbs"])
+    roof["batch1_roofline_tokens_per_s"] = roof["read_gbs"] * 1e3 / roof["decode_weight_mb"]
     roof["gemm_end_by_size"] = end["by_size"]
     for name, _ in CEILING_DTYPES:
         key = f"{name}_gemm_gflops"
         roof[key] = max(roof.get(key, 0.0), end[key])
-    print(f"GEMM ceilings again after the load: {end['by_size']}; kept fp32 "
-          f"{roof['fp32_gemm_gflops']:.1f}, bf16 {roof['bf16_gemm_gflops']:.1f} GFLOP/s",
-          flush=True)
+    print(f"ceilings again after the load: read {read['by_pass']} GB/s, GEMMs {end['by_size']}; "
+          f"kept read {roof['read_gbs']:.1f} GB/s, fp32 {roof['fp32_gemm_gflops']:.1f}, bf16 "
+          f"{roof['bf16_gemm_gflops']:.1f} GFLOP/s", flush=True)
 
 
 # -- compute share (issue 16) ---------------------------------------------------------------
@@ -543,6 +543,58 @@ def add_compute(report: dict, model: str) -> None:
             run["compute"]["share"] = shares(run["compute"]["gflops"], ceilings)
 
 
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag V`` or ``flag=V`` in a command line, or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def kv_cache_dtype(model: str, server_args: Sequence[str]) -> str:
+    """The KV cache dtype ``aioengine serve server_args`` runs on this CPU: its
+    ``--kv-cache-dtype``, or with ``auto`` the activations' (``--dtype``, resolved as
+    the worker resolves it: ``model_runner.choose_dtype``/``choose_kv_cache_dtype``)."""
+    from aioengine.worker.model_runner import choose_dtype, choose_kv_cache_dtype, cpu_flags
+
+    dtype, _ = choose_dtype(flag_value(server_args, "--dtype") or "auto", "cpu", cpu_flags(),
+                            model.endswith(".gguf"))
+    kv = choose_kv_cache_dtype(flag_value(server_args, "--kv-cache-dtype") or "auto", dtype,
+                               "cpu")
+    return str(kv).removeprefix("torch.")
+
+
+def add_roofline(report: dict, model: str) -> None:
+    """Each streaming run's roofline ceiling (bench/flops.py's ``workload_roofline`` on
+    the requests served, at the run's concurrency; the GEMM ceiling of the dtype a step
+    of that many rows runs, ``dtype_in_use``; the measured read bandwidth; the server's
+    KV cache dtype) and the run's share of it, as ``run["roofline"]``; the weights'
+    bytes as ``report["weight_bytes"]``. Needs the measured ceilings."""
+    from dataclasses import asdict
+
+    from bench.flops import KV_DTYPE_BYTES, ModelFlops, WeightBytes, workload_roofline
+
+    roof = report.get("roofline")
+    if not roof:
+        return
+    shape, weights = ModelFlops.from_model(model), WeightBytes.from_gguf(model)
+    report["weight_bytes"] = {**asdict(weights), "layers": weights.layers}
+    path, kv = report.get("gemm_path", "fp32"), report["kv_cache"]["dtype"]
+
+    def peak(rows: int) -> float:
+        return roof[f"{dtype_in_use(path, rows)}_gemm_gflops"]
+
+    for key in ("aioengine", "llama_cpp"):
+        for run in (report.get(key) or {}).get("server", {}).get("streams", []):
+            r = workload_roofline(shape, weights, KV_DTYPE_BYTES[kv], run["requests"],
+                                  run["concurrency"], peak, roof["read_gbs"])
+            r["share"] = run["output_throughput"] / r["tokens_per_s"] if r["tokens_per_s"] else 0
+            run["roofline"] = r
+
+
 def compute_table(report: dict) -> str:
     """Markdown: per concurrency, output tok/s both sides, MFLOP per output token,
     GFLOP/s and the shares of the fp32 / bf16 GEMM ceilings, both sides."""
@@ -554,12 +606,30 @@ def compute_table(report: dict) -> str:
         sh = (run or {}).get("compute", {}).get("share", {})
         return " / ".join(f"{100 * sh[d]:.1f}%" for d in ("fp32", "bf16") if d in sh) or "n/a"
 
+    def roof_cell(run: dict) -> str:
+        rl = run.get("roofline")
+        if not rl:
+            return "n/a"
+        step = rl["decode_step"]
+        at = (f", {step['rows']}-row step {step['ms']:.2f} ms ({step['bound']}: "
+              f"{step['bytes']['total'] / 1e6:.0f} MB, {step['flops']['total'] / 1e9:.2f} GFLOP)"
+              if step else "")
+        return f"{rl['tokens_per_s']:.0f}: {rl['bound']}{at}"
+
+    def roof_pct(run: dict | None) -> str:
+        rl = (run or {}).get("roofline")
+        return f"{100 * rl['share']:.1f}%" if rl else "n/a"
+
     fp32, bf16 = roof.get("fp32_gemm_gflops"), roof.get("bf16_gemm_gflops")
     ceil = (f"fp32 {fp32:.0f} / bf16 {bf16:.0f} GFLOP/s" if fp32 and bf16 else "not measured")
+    read = roof.get("read_gbs")
     rows = [f"| streams | output tok/s, ours / llama.cpp | MFLOP per output token | GFLOP/s, "
             f"ours / llama.cpp | ours: % of fp32 / bf16 GEMM ({ceil}) | llama.cpp: % of fp32 / "
-            f"bf16 | ceiling that applies to ours ({path}) | target (issue 16) |",
-            "|---|---|---|---|---|---|---|---|"]
+            f"bf16 | ceiling that applies to ours ({path}) | roofline tok/s ("
+            f"{f'{read:.1f} GB/s' if read else 'not measured'}; KV "
+            f"{report.get('kv_cache', {}).get('dtype', '?')}): bound, full decode step | "
+            f"ours / llama.cpp: % of roofline | target (issue 16) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report.get("aioengine", {}).get("server", {}).get("streams", []):
         c, t, comp = r["concurrency"], by_c.get(r["concurrency"]), r.get("compute", {})
         theirs = t["output_throughput"] if t else float("nan")
@@ -571,20 +641,22 @@ def compute_table(report: dict) -> str:
                     f"{comp.get('mflop_per_output_token', float('nan')):.1f} | "
                     f"{comp.get('gflops', float('nan')):.1f} / {fmt(t_gf)} | {pct(r)} | "
                     f"{pct(t)} | {d}: {f'{100 * applies:.1f}%' if applies else 'n/a'} | "
+                    f"{roof_cell(r)} | {roof_pct(r)} / {roof_pct(t)} | "
                     f"{'>= 2x llama.cpp, >= 50% of the ceiling that applies' if c == 32 else ''} |")
     return "\n".join(rows)
 
 
 def plot_curve(report: dict, path: Path) -> None:
     """Output tok/s against concurrency (log2 axis), ours and llama-server on one
-    chart, each point of ours labelled ours / llama.cpp; below, the workload's
-    GFLOP/s against the fp32 and bf16 GEMM ceilings of the same run."""
+    chart, each point of ours labelled ours / llama.cpp, and ours' roofline ceiling
+    dashed (labelled with our share of it); below, the workload's GFLOP/s against
+    the fp32 and bf16 GEMM ceilings of the same run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8.5), height_ratios=(3, 2), sharex=True)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 9), height_ratios=(3, 2), sharex=True)
     sides = [(name, side["server"]["streams"]) for name, side in
              (("aioengine serve", report.get("aioengine")),
               ("llama-server", report.get("llama_cpp"))) if side]
@@ -593,6 +665,17 @@ def plot_curve(report: dict, path: Path) -> None:
         ax1.plot(cs, [r["output_throughput"] for r in runs], marker="o", label=name)
         if all("compute" in r for r in runs):
             ax2.plot(cs, [r["compute"]["gflops"] for r in runs], marker="o", label=name)
+    ours_runs = sides[0][1] if sides and sides[0][0] == "aioengine serve" else []
+    roof_runs = [r for r in ours_runs if "roofline" in r]
+    if roof_runs:
+        ax1.plot([r["concurrency"] for r in roof_runs],
+                 [r["roofline"]["tokens_per_s"] for r in roof_runs], ls="--", color="black",
+                 lw=1.2, label=f"roofline ({report['roofline']['read_gbs']:.0f} GB/s, "
+                               f"GEMM of the dtype in use)")
+        for r in roof_runs:
+            ax1.annotate(f"{100 * r['roofline']['share']:.0f}%",
+                         (r["concurrency"], r["roofline"]["tokens_per_s"]),
+                         textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
     for r in sides[0][1] if sides else []:
         ratio = report["ratios"].get(f"streams_{r['concurrency']}")
         if ratio:
@@ -613,18 +696,20 @@ def plot_curve(report: dict, path: Path) -> None:
     if ticks:
         ax1.set_xticks(ticks, [str(c) for c in ticks])
     ax1.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax1.set_ylim(0, 1.12 * max((r["output_throughput"] for _, runs in sides for r in runs),
+    ax1.set_ylim(0, 1.12 * max([r["output_throughput"] for _, runs in sides for r in runs]
+                               + [r["roofline"]["tokens_per_s"] for r in roof_runs],
                                default=1.0))
     ax1.set_ylabel("output tokens/s")
-    ax1.set_title("output throughput (labels: ours / llama.cpp)", fontsize=9)
+    ax1.set_title("output throughput (labels: ours / llama.cpp; on the roofline: ours as % "
+                  "of it)", fontsize=9)
     ax2.set_yscale("log")
     ax2.set_ylabel("GFLOP/s (matmuls of the workload)")
     ax2.set_xlabel("concurrent streams")
     ax2.set_title(f"compute against GEMM ceilings on the same threads (our GEMM at 9+ rows: "
                   f"{report.get('gemm_path', '?')})", fontsize=9)
-    for ax in (ax1, ax2):
+    for ax, where in ((ax1, "upper left"), (ax2, "lower right")):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc=where)
     save_figure(fig, report, path)
 
 
@@ -774,6 +859,31 @@ def plot(report: dict, path: Path) -> None:
     save_figure(fig, report, path)
 
 
+def roofline_summary(run: dict) -> str:
+    """One run against its roofline, in words: the ceiling, our share, the bound that
+    dominates, the full decode step's bound, and what the run would need for 50%."""
+    rl, c, tok_s = run["roofline"], run["concurrency"], run["output_throughput"]
+    out = (f"{c} streams against the roofline: {tok_s:.1f} of {rl['tokens_per_s']:.0f} tok/s = "
+           f"{100 * rl['share']:.1f}% (target >= 50%); {rl['bound']}-bound: "
+           f"{rl['memory_bound_s']:.2f} s of memory-bound steps, {rl['compute_bound_s']:.2f} s "
+           f"of compute-bound ones (prefill {rl['prefill_s']:.2f} s) at "
+           f"{rl['read_gbs']:.1f} GB/s, KV {rl['kv_elem_bytes']} bytes/element")
+    step = rl["decode_step"]
+    if step:
+        b, f = step["bytes"], step["flops"]
+        out += (f"; the {step['rows']}-row decode step: {step['ms']:.2f} ms ({step['bound']}: "
+                f"{b['total'] / 1e6:.1f} MB = weights {b['weights'] / 1e6:.1f} + KV read "
+                f"{b['kv_read'] / 1e6:.1f} + written {b['kv_write'] / 1e6:.2f} -> "
+                f"{step['memory_ms']:.2f} ms; {f['total'] / 1e9:.2f} GFLOP at "
+                f"{step['peak_gflops']:.0f} GFLOP/s -> {step['compute_ms']:.2f} ms)")
+    # 50%: the run's time at most twice the roofline's, i.e. c tokens every
+    # 2 x (roofline seconds per c output tokens).
+    need = 2 * c / rl["tokens_per_s"] * 1e3
+    out += (f"; 50% needs {0.5 * rl['tokens_per_s']:.0f} tok/s: one token for each of the "
+            f"{c} streams every {need:.1f} ms on average (now {c / tok_s * 1e3:.1f} ms)")
+    return out
+
+
 def print_targets(report: dict) -> None:
     rat, ours = report["ratios"], report.get("aioengine", {}).get("server", {})
     lines = []
@@ -809,6 +919,9 @@ def print_targets(report: dict) -> None:
                      f"llama-server's output tok/s (target >= 2x); {comp['gflops']:.1f} GFLOP/s "
                      f"= {share} (target >= 50% of the dtype in use: {d}, our GEMM "
                      f"{report.get('gemm_path')})")
+        rl = r32[0].get("roofline")
+        if rl:
+            lines.append(roofline_summary(r32[0]))
     print("\n".join(lines))
 
 
@@ -847,7 +960,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-roofline", action="store_true",
                    help="do not measure the machine's memory and GEMM ceilings")
     p.add_argument("--ceiling-time", type=float, default=1.0,
-                   help="seconds each ceiling measurement runs (best of 3 thirds)")
+                   help="seconds each GEMM ceiling measurement runs (best of 3 thirds)")
+    p.add_argument("--bandwidth-gb", type=float, default=4.0,
+                   help="GB of the buffer whose sum measures the read bandwidth (best of 5)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra 'aioengine serve' flag (repeatable)")
     p.add_argument("--llama-arg", action="append", default=[],
@@ -929,6 +1044,7 @@ def main(argv: list[str] | None = None) -> dict:
     server_args = ["--model", args.model, "--num-threads", str(args.threads),
                    "--max-num-seqs", str(max(64, n_slots)), "--log-level", "warning",
                    *kv_args, *args.server_arg]
+    report["kv_cache"]["dtype"] = kv_cache_dtype(args.model, server_args)
     ours_server = AioengineServer(server_args, logs / "aioengine.log")
     llama = None
     if llama_server is not None:
@@ -955,11 +1071,12 @@ def main(argv: list[str] | None = None) -> dict:
                                     "source": "llama-server 1 stream, 1/TPOT p50"}
         report["llama_cpp"] = theirs
     if "roofline" in report:
-        remeasure_gemm_ceilings(report["roofline"], args.threads, args.ceiling_time)
+        remeasure_ceilings(report["roofline"], args)
     load.sample()
     report["load"] = load.summary()
     report["ratios"] = ratios(report)
     add_compute(report, args.model)
+    add_roofline(report, args.model)
     report["table_markdown"] = table(report)
     report["compute_table_markdown"] = compute_table(report)
     path = write_results(args.output_json, "quantized.json", report)

@@ -251,13 +251,42 @@ def test_quantized_compute_table_names_the_ceiling_that_applies() -> None:
               "aioengine": {"server": {"streams": [run(8, 300.0, 120.0), run(32, 600.0, 240.0)]}},
               "llama_cpp": {"server": {"streams": [run(8, 150.0, 60.0), run(32, 160.0, 64.0)]}}}
     text = compute_table(report)
-    assert "fp32 400 / bf16 1600 GFLOP/s" in text
+    assert "fp32 400 / bf16 1600 GFLOP/s" in text and "roofline tok/s (not measured" in text
     # 8 streams decode through the fp32 GEMV, 32 through the AMX bf16 GEMM.
     assert "| 8 | 300.0 / 150.0 (2.00x) | 445.0 | 120.0 / 60.0 | 30.0% / 7.5% | 15.0% / 3.8% " \
-           "| fp32: 30.0% |  |" in text
+           "| fp32: 30.0% | n/a | n/a / n/a |  |" in text
     assert "| 32 | 600.0 / 160.0 (3.75x) | 445.0 | 240.0 / 64.0 | 60.0% / 15.0% |" in text
-    assert text.endswith("| bf16: 15.0% | >= 2x llama.cpp, >= 50% of the ceiling that applies |")
+    assert text.endswith("| bf16: 15.0% | n/a | n/a / n/a | >= 2x llama.cpp, >= 50% of the "
+                         "ceiling that applies |")
     assert dtype_in_use("fp32", 64) == "fp32" and dtype_in_use("amx-bf16x3", 9) == "bf16"
+    # With the roofline: its ceiling, the bound, the full decode step, both shares.
+    step = {"rows": 32, "ms": 10.0, "bound": "memory", "bytes": {"total": 2.5e8},
+            "flops": {"total": 9e9}}
+    report["roofline"]["read_gbs"] = 25.0
+    report["kv_cache"] = {"dtype": "float16"}
+    for side, tok_s in (("aioengine", 600.0), ("llama_cpp", 160.0)):
+        report[side]["server"]["streams"][1]["roofline"] = {
+            "tokens_per_s": 2400.0, "bound": "memory", "decode_step": step,
+            "share": tok_s / 2400.0}
+    text = compute_table(report)
+    assert "roofline tok/s (25.0 GB/s; KV float16)" in text
+    assert "| bf16: 15.0% | 2400: memory, 32-row step 10.00 ms (memory: 250 MB, 9.00 GFLOP) | " \
+           "25.0% / 6.7% | >= 2x" in text
+
+
+def test_quantized_roofline_uses_the_kv_cache_dtype_the_server_runs() -> None:
+    from bench.quantized import flag_value, kv_cache_dtype
+
+    assert flag_value(["--dtype", "x", "--kv-cache-dtype=float16", "--dtype", "y"],
+                      "--dtype") == "y"
+    assert flag_value(["--kv-cache-dtype=float16"], "--kv-cache-dtype") == "float16"
+    assert flag_value(["--dtype"], "--dtype") is None
+    # A GGUF file runs fp32 activations on a CPU; "auto" caches K/V in them.
+    assert kv_cache_dtype("m.gguf", []) == "float32"
+    assert kv_cache_dtype("m.gguf", ["--kv-cache-dtype", "float16"]) == "float16"
+    assert kv_cache_dtype("m.gguf", ["--dtype", "bfloat16"]) == "bfloat16"
+    with pytest.raises(ValueError):  # the server refuses it too
+        kv_cache_dtype("m.gguf", ["--dtype", "bfloat16", "--kv-cache-dtype", "float16"])
 
 
 def test_quantized_cpu_info_and_binary_lookup(tmp_path: Path) -> None:
@@ -309,6 +338,107 @@ def test_flop_model_matches_a_hand_count_on_the_default_model() -> None:
     assert m.request_flops(100, 1, cached_tokens=100) == m.request_flops(100, 1, 99)
 
 
+def test_byte_model_matches_a_hand_count_on_a_tiny_config() -> None:
+    from types import SimpleNamespace
+
+    from bench.flops import ModelFlops, WeightBytes, keys_read, step_work
+
+    # keys_read: the union of the queries' windows, against a brute-force count.
+    for start, end, window in [(0, 10, None), (3, 10, 4), (8, 10, 4), (5, 6, 4), (2, 3, 4),
+                               (0, 1, 1), (4, 4, 2), (7, 20, 3)]:
+        keys = {k for p in range(start, end) for k in range(p + 1)
+                if window is None or k > p - window}
+        assert keys_read(start, end, window) == len(keys), (start, end, window)
+    # 2 layers (a 4-key window, then full), 2 query heads and 1 KV head of 4, MLP 16, V 10.
+    cfg = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=16, vocab_size=10,
+                          sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    m = ModelFlops.from_config(cfg)
+    assert m.kv_bytes_per_key(2) == 2 * 1 * 4 * 2 == 16
+    # Tied: a 60-byte embedding (6 bytes a row) is the LM head; 292 bytes in all.
+    tied = WeightBytes.from_sizes({"token_embd.weight": 60, "blk.0.attn_q.weight": 100,
+                                   "blk.1.attn_q.weight": 100, "output_norm.weight": 32}, 10)
+    assert (tied.tied, tied.embedding_row, tied.layers, tied.decode_bytes) == (True, 6, 232, 292)
+    # Decode rows at positions 5 and 2 (fp16 KV), both sampling. Keys read: layer 0
+    # (window 4) 4 + 3, layer 1 6 + 3 -> 16 keys x 16 bytes; 2 rows x 2 layers written.
+    work = step_work(m, tied, 2, [(5, 6, True), (2, 3, True)])
+    assert work.rows == 2
+    assert work.bytes == {"weights": 292, "kv_read": 16 * 16, "kv_write": 2 * 2 * 16,
+                          "total": 292 + 256 + 64}
+    per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16  # 576
+    assert work.flops == {"linear": 2 * 2 * 2 * per_layer, "lm_head": 2 * 2 * 10 * 8,
+                          "attention": 4 * 2 * 4 * 16, "total": 4608 + 320 + 512}
+    assert work.seconds(1e-6, 1e-6) == (pytest.approx(5.44), "compute")  # 612 B: 0.61 s
+    assert work.seconds(1e3, 1e-9)[1] == "memory"
+    # A prefill chunk of positions 3..9 that samples nothing: fp32 KV, keys 0..9 read once
+    # in the full layer and 0..9 in the window one too (query 3 sees keys 0..3); the LM
+    # head is not read, the 7 looked-up embedding rows are.
+    work = step_work(m, tied, 4, [(3, 10, False)])
+    assert work.bytes == {"weights": 232 + 7 * 6, "kv_read": 32 * (10 + 10),
+                          "kv_write": 7 * 2 * 32, "total": 274 + 640 + 448}
+    assert work.flops["lm_head"] == 0
+    # Untied: a 90-byte LM head, read whole once a row samples; embedding rows per token.
+    untied = WeightBytes.from_sizes({"token_embd.weight": 60, "blk.0.attn_q.weight": 100,
+                                     "blk.1.attn_q.weight": 100, "output_norm.weight": 32,
+                                     "output.weight": 90}, 10)
+    assert (untied.tied, untied.layers, untied.decode_bytes) == (False, 232, 232 + 90 + 6)
+    assert step_work(m, untied, 2, [(5, 6, True), (2, 3, True)]).bytes["weights"] == 334
+    with pytest.raises(ValueError, match="no token embedding"):
+        WeightBytes.from_sizes({"blk.0.attn_q.weight": 100}, 10)
+
+
+def test_workload_roofline_sums_each_step_bound_over_lock_step_waves() -> None:
+    from types import SimpleNamespace
+
+    from bench.flops import ModelFlops, WeightBytes, step_work, workload_roofline, workload_steps
+
+    cfg = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=16, vocab_size=10)
+    m = ModelFlops.from_config(cfg)
+    w = WeightBytes.from_sizes({"token_embd.weight": 60, "blk.0.attn_q.weight": 1000}, 10)
+    # 3 requests (prompt 3, 2 tokens out; one with 2 cached prompt tokens; one failed,
+    # left out) on 2 streams: waves [a, b] and [c], each a prefill step and a decode step.
+    reqs = [{"prompt_len": 3, "output_len": 2, "cached_tokens": 0, "start_s": 0.1},
+            {"prompt_len": 3, "output_len": 2, "cached_tokens": 2, "start_s": 0.0},
+            {"ok": False, "prompt_len": 3, "output_len": 0, "start_s": 0.05},
+            {"prompt_len": 3, "output_len": 2, "start_s": 0.2}]
+    steps = workload_steps(reqs, 2)
+    assert steps == [("prefill", [(2, 3, True), (0, 3, True)]),
+                     ("decode", [(3, 4, True), (3, 4, True)]),
+                     ("prefill", [(0, 3, True)]), ("decode", [(3, 4, True)])]
+    # Steps of 3+ rows compute at 1e-6 GFLOP/s (compute-bound), the rest at 1e6.
+    def peak(rows: int) -> float:
+        return 1e-6 if rows > 2 else 1e6
+
+    works = [step_work(m, w, 2, seqs) for _, seqs in steps]
+    bounds = [wk.seconds(peak(wk.rows), 1e-6) for wk in works]
+    assert [b for _, b in bounds] == ["compute", "memory", "compute", "memory"]
+    r = workload_roofline(m, w, 2, reqs, 2, peak, 1e-6)
+    assert r["seconds"] == pytest.approx(sum(s for s, _ in bounds))
+    assert r["tokens_per_s"] == pytest.approx(6 / r["seconds"])
+    assert r["prefill_s"] == pytest.approx(bounds[0][0] + bounds[2][0])
+    assert r["memory_bound_s"] == pytest.approx(bounds[1][0] + bounds[3][0])
+    # The widest decode step: 2 rows, memory-bound, bytes / bandwidth in ms.
+    step = r["decode_step"]
+    assert step["rows"] == 2 and step["bound"] == "memory"
+    assert step["ms"] == pytest.approx(works[1].bytes["total"] / 1e3 * 1e3)
+    assert step["bytes"]["weights"] == 1060 and step["bytes"]["kv_read"] == 2 * 2 * 16 * 4
+
+
+def test_weight_bytes_of_the_default_model_are_its_quantized_blocks() -> None:
+    from aioengine.config import default_model_path
+    from bench.flops import ModelFlops, WeightBytes
+
+    path = default_model_path()
+    m, w = ModelFlops.from_model(path), WeightBytes.from_gguf(path)
+    # SmolLM2-135M Q4_1: projections in Q4_1 (20 bytes per 32 weights), norms fp32,
+    # the tied embedding / LM head Q8_0 (34 bytes per 32).
+    norms = 4 * (2 * m.num_layers + 1) * m.hidden_size
+    assert w.tied and w.lm_head == w.embedding == m.lm_head_params // 32 * 34
+    assert w.layers == m.num_layers * m.params_per_layer // 32 * 20 + norms
+    assert w.decode_bytes == w.total == 96_576_768
+
+
 def test_flop_model_sliding_windows_and_run_totals() -> None:
     from types import SimpleNamespace
 
@@ -346,7 +476,7 @@ def test_quantized_script_measures_ours_without_llama_cpp(tmp_path: Path) -> Non
     proc = run_script("quantized.py", "--llama-server", "none", "--concurrency", "1,2",
                       "--prompt-len", "8", "--max-tokens", "3", "--requests-per-stream", "1",
                       "--batch1-tokens", "4", "--time-limit", "300", "--restart-timeout", "300",
-                      "--ceiling-time", "0.1",
+                      "--ceiling-time", "0.1", "--bandwidth-gb", "0.2",
                       "--output-json", str(out), "--plot-dir", str(tmp_path), "--no-progress")
     assert proc.stdout.startswith("CPU: ")
     assert "llama-server not found" in proc.stdout
@@ -388,6 +518,25 @@ def test_quantized_script_measures_ours_without_llama_cpp(tmp_path: Path) -> Non
             run["compute"]["gflops"] / roof["bf16_gemm_gflops"])
     assert "% of fp32 / bf16 GEMM" in report["compute_table_markdown"]
     assert (tmp_path / "quantized_concurrency.png").stat().st_size > 0
+    # Roofline: the read bandwidth best of 5 passes (and again after the load), each
+    # run's ceiling from its own requests in the server's KV dtype (float16, matched).
+    assert roof["read_gbs"] == pytest.approx(
+        max(roof["read_by_pass"] + roof["read_end_by_pass"]), abs=0.01)
+    assert report["kv_cache"]["dtype"] == "float16"
+    from bench.flops import WeightBytes, workload_roofline
+    from bench.quantized import dtype_in_use
+
+    weights = WeightBytes.from_gguf(report["args"]["model"])
+    for run in server["streams"]:
+        rl = run["roofline"]
+        want = workload_roofline(
+            model, weights, 2, run["requests"], run["concurrency"],
+            lambda rows: roof[f"{dtype_in_use(report['gemm_path'], rows)}_gemm_gflops"],
+            roof["read_gbs"])
+        assert rl["tokens_per_s"] == pytest.approx(want["tokens_per_s"])
+        assert rl["share"] == pytest.approx(run["output_throughput"] / rl["tokens_per_s"])
+        assert rl["decode_step"]["rows"] == run["concurrency"]
+    assert "% of roofline" in report["compute_table_markdown"]
 
 
 def test_spec_decode_script_compares_both_engines(tmp_path: Path) -> None:
