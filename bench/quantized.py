@@ -863,7 +863,8 @@ def roofline_summary(run: dict) -> str:
     """One run against its roofline, in words: the ceiling, our share, the bound that
     dominates, the full decode step's bound, and what the run would need for 50%."""
     rl, c, tok_s = run["roofline"], run["concurrency"], run["output_throughput"]
-    out = (f"{c} streams against the roofline: {tok_s:.1f} of {rl['tokens_per_s']:.0f} tok/s = "
+    out = (f"{c} stream{'s' if c > 1 else ''} against the roofline: {tok_s:.1f} of "
+           f"{rl['tokens_per_s']:.0f} tok/s = "
            f"{100 * rl['share']:.1f}% (target >= 50%); {rl['bound']}-bound: "
            f"{rl['memory_bound_s']:.2f} s of memory-bound steps, {rl['compute_bound_s']:.2f} s "
            f"of compute-bound ones (prefill {rl['prefill_s']:.2f} s) at "
@@ -876,6 +877,10 @@ def roofline_summary(run: dict) -> str:
                 f"{b['kv_read'] / 1e6:.1f} + written {b['kv_write'] / 1e6:.2f} -> "
                 f"{step['memory_ms']:.2f} ms; {f['total'] / 1e9:.2f} GFLOP at "
                 f"{step['peak_gflops']:.0f} GFLOP/s -> {step['compute_ms']:.2f} ms)")
+        itl = run.get("itl", {}).get("p50_ms")
+        if itl:
+            out += (f"; measured ITL p50 {itl:.1f} ms = {itl / step['ms']:.1f}x that step "
+                    f"(50% needs <= {2 * step['ms']:.1f} ms)")
     # 50%: the run's time at most twice the roofline's, i.e. c tokens every
     # 2 x (roofline seconds per c output tokens).
     need = 2 * c / rl["tokens_per_s"] * 1e3
