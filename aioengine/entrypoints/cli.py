@@ -259,7 +259,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="address to listen on; 0.0.0.0 for every interface "
                         "(default: %(default)s, this machine only)")
     g.add_argument("--port", type=int, default=8000,
-                   help="TCP port of the HTTP and WebSocket API (default: %(default)s)")
+                   help="TCP port of the HTTP and WebSocket API; 0 picks a free one, named in the "
+                        "'ready' line (default: %(default)s)")
     g.add_argument("--api-key", default=os.environ.get("AIOENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: env "
                         "AIOENGINE_API_KEY, else none: no key needed)")
