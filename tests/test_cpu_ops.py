@@ -103,6 +103,51 @@ def test_blocked_and_portable_kernels_equal_the_reference(num_heads, num_kv_head
         torch.set_num_threads(threads)
 
 
+# (q_len, seq_len) per sequence: a whole prompt (prefix 0) of 1, 5 and 70 tokens (five
+# 16-token tiles), chunks after a prefix that is not block-aligned (37), block-aligned
+# (16) and long enough for several 256-key spans (300), and a decode row among them.
+PREFILL_CHUNKS = [(5, 5), (16, 53), (1, 90), (70, 70), (33, 333), (17, 33), (1, 1)]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (16, 2)])
+def test_prefill_kernel_equals_the_torch_reference(num_heads, num_kv_heads, head_dim,
+                                                   cache_dtype):
+    # The C++ chunked-prefill attention (AVX-512 tiles on 1 and 2 threads, and the portable
+    # loops) against the torch oracle with HF's causal, sliding-window and soft-cap masks
+    # (windowed_paged_attention) on the widened cache: ragged chunks and prefixes, groups
+    # 1/3/8. A kernel that let a query see a later key, dropped the prefix, mis-rescaled a
+    # span of the online softmax or read the wrong head fails by far more than rounding.
+    from types import SimpleNamespace
+
+    from aioengine.models.layers.attention import windowed_paged_attention
+
+    q_lens, seq_lens = zip(*PREFILL_CHUNKS, strict=True)
+    batch = make_batch(list(q_lens), list(seq_lens), num_heads, num_kv_heads, 16,
+                       head_dim=head_dim, seed=head_dim + num_heads)
+    for name in ("key_cache", "value_cache"):
+        batch[name] = batch[name].to(cache_dtype)
+    block_tables = batch["block_tables"].clamp(max=batch["key_cache"].shape[0] - 1)
+    attn = SimpleNamespace(cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"],
+                           block_tables=block_tables)
+    threads = torch.get_num_threads()
+    try:
+        for window, softcap in ((None, None), (24, None), (None, 1.5)):
+            expected = windowed_paged_attention(
+                batch["query"], batch["key_cache"].float(), batch["value_cache"].float(), attn,
+                batch["scale"] * 4, window, softcap)  # x4: peaked softmax rows
+            for num_threads, portable in ((1, False), (2, False), (2, True)):
+                torch.set_num_threads(num_threads)
+                out = cpu_ops.prefill_attention(
+                    batch["query"], batch["key_cache"], batch["value_cache"], block_tables,
+                    batch["seq_lens"], batch["cu_seqlens_q"], batch["scale"] * 4, window,
+                    softcap, portable)
+                torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_kernel_reads_only_the_sequence_tokens():
     # NaN in every slot past each sequence's length and in unused blocks: a kernel that
     # read them would return NaN.

@@ -43,6 +43,15 @@ class _PrefillPlan:
 
 
 @dataclass(frozen=True)
+class _SeqPlan:
+    """Per-sequence metadata of a step with prompt chunks, as the C++ layers take it."""
+
+    block_table: torch.Tensor  # [num_seqs, blocks_per_seq] int32, contiguous, clamped
+    seq_lens: torch.Tensor  # [num_seqs] int32, contiguous
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, contiguous (cu_seqlens_q)
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """One step's attention and cache-write index math for the CPU path, shared by every
     layer. Built by ``plan_attention``; opaque to callers.
@@ -61,6 +70,7 @@ class AttentionPlan:
     prefill_tokens: torch.Tensor | None
     slots: torch.Tensor | None  # [num_written] int64 cache slots; None: no slot_mapping given
     written_tokens: torch.Tensor | None  # tokens with a slot >= 0; None: every token
+    seqs: _SeqPlan | None = None  # every sequence's metadata when prefill is not None
 
 
 def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_k: int,
@@ -108,8 +118,15 @@ def _plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
     num_seqs = seq_lens.shape[0]
 
     def plan(decode=None, prefill=None, decode_tokens=None, prefill_tokens=None):
+        seqs = None
+        if prefill is not None and seq_lens.device.type == "cpu":
+            blocks_per_seq = -(-max_seqlen_k // block_size)
+            seqs = _SeqPlan(_gather_ids(block_tables, max_seqlen_k, num_blocks, block_size)
+                            .view(num_seqs, blocks_per_seq).to(torch.int32),
+                            seq_lens.to(torch.int32).contiguous(),
+                            cu_seqlens_q.to(torch.int32).contiguous())
         return AttentionPlan(num_tokens, num_blocks, block_size, decode, prefill,
-                             decode_tokens, prefill_tokens, slots, written_tokens)
+                             decode_tokens, prefill_tokens, slots, written_tokens, seqs)
 
     if not force_prefill and max_seqlen_q == 1 and num_tokens == num_seqs:
         return plan(decode=_plan_decode(block_tables, seq_lens, max_seqlen_k, num_blocks,

@@ -456,14 +456,18 @@ class LlamaDecodeLayers:
     def forward(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, plan: attention_plan.AttentionPlan | None,
                 scale: float) -> torch.Tensor | None:
-        """Run the layers for a step whose plan is all decodes, every token with a cache
-        slot; otherwise (or without the kernels) return None and change nothing.
+        """Run the layers for a step: decode rows, prompt chunks (chunked prefill) or a mix
+        of both, every token with a cache slot; otherwise (or without the kernels) return
+        None and change nothing.
+
+        Decode rows run the paged decode kernel; each prompt chunk runs the C++ prefill
+        attention over its cached prefix and itself (``paged_attention_prefill``).
 
         Args:
-            residual: ``[num_seqs, hidden]`` fp32 token embeddings; overwritten with the
+            residual: ``[num_tokens, hidden]`` fp32 token embeddings; overwritten with the
                 residual stream.
-            cos, sin: ``[num_seqs, head_dim]`` RoPE table rows at the tokens' positions
-                (``sin`` holding ``[-sin, sin]``), or ``[num_tables, num_seqs, head_dim]``
+            cos, sin: ``[num_tokens, head_dim]`` RoPE table rows at the tokens' positions
+                (``sin`` holding ``[-sin, sin]``), or ``[num_tables, num_tokens, head_dim]``
                 with ``rope_tables``.
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
                 fp32, fp16 or bf16 (``--kv-cache-dtype``: K/V rounded to it when written).
@@ -471,22 +475,65 @@ class LlamaDecodeLayers:
             scale: softmax scale.
 
         Returns:
-            ``[num_seqs, hidden]`` hidden states after the final norm, or None.
+            ``[num_tokens, hidden]`` hidden states after the final norm, or None.
 
         Raises:
             ValueError: ``residual`` or ``kv_cache`` does not match the plan.
             RuntimeError: (from C++) a shape, a slot or a block id out of range.
         """
-        if (self._impl is None or plan is None or plan.prefill is not None
-                or plan.slots is None or plan.written_tokens is not None
+        if (self._impl is None or plan is None or plan.slots is None
+                or plan.written_tokens is not None
+                or (plan.prefill is not None and plan.seqs is None)
                 or residual.dtype != torch.float32
                 or kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
             return None
         attention_plan._check_plan(plan, residual, kv_cache[0, 0], kv_cache[0, 1])
-        decode = plan.decode
+        if plan.prefill is None:
+            decode = plan.decode
+            return self._impl.forward(residual, cos.contiguous(), sin.contiguous(), kv_cache,
+                                      plan.slots.contiguous(), decode.block_table,
+                                      decode.seq_lens, scale)
+        seqs = plan.seqs
         return self._impl.forward(residual, cos.contiguous(), sin.contiguous(), kv_cache,
-                                  plan.slots.contiguous(), decode.block_table, decode.seq_lens,
-                                  scale)
+                                  plan.slots.contiguous(), seqs.block_table, seqs.seq_lens,
+                                  scale, seqs.query_start_loc)
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, scale: float, sliding_window: int | None = None,
+                      softcap: float | None = None, portable: bool = False) -> torch.Tensor:
+    """Paged attention of query chunks, causal over each sequence's cached prefix and its
+    chunk, in C++ (``csrc/attention.h`` ``PrefillAttention``: per sequence, KV head and tile
+    of up to 16 query tokens, flash-attention's online softmax over spans of 256 keys,
+    Dao et al. 2022, section 3.1).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]`` fp32.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` fp32,
+            fp16 or bf16, already holding the chunks' K/V.
+        block_tables: ``[num_seqs, max_blocks]`` int32; seq_lens: ``[num_seqs]`` int32 (the
+            chunk included); cu_seqlens_q: ``[num_seqs + 1]`` int32.
+        sliding_window: keys a query sees, its own included (HF's mask); None: all.
+        softcap: Gemma 2's ``cap * tanh(score / cap)`` before the mask; None: none.
+        portable: the portable loops even where the AVX-512 tiles apply (tests).
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` fp32.
+
+    Raises:
+        RuntimeError: the kernels are not built, or (from C++) a shape, dtype, length or
+            block id out of range.
+    """
+    ops = load()
+    if ops is None:
+        raise RuntimeError("the C++ CPU kernels are not available")
+    out = torch.empty_like(query)
+    ops.paged_attention_prefill(out, query, key_cache, value_cache, block_tables.contiguous(),
+                                seq_lens.to(torch.int32).contiguous(),
+                                cu_seqlens_q.to(torch.int32).contiguous(), scale,
+                                sliding_window or 0, softcap or 0.0, portable)
+    return out
 
 
 def sample_from_logits(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,

@@ -47,6 +47,10 @@ struct DecodeAttention {
   // Gemma 2's attention-logit soft-capping, softcap * tanh(score / softcap) on the
   // scaled scores (Gemma Team 2024, section 2); 0: none.
   float softcap = 0.f;
+  // The query/out row of sequence s: rows[s] (a mixed step's decode rows sit among its
+  // prompt tokens); nullptr: row s.
+  const int32_t* rows = nullptr;
+  int64_t row(int64_t s) const { return rows != nullptr ? rows[s] : s; }
 };
 
 // Asks for the `rows` rows of `bytes` bytes each, `stride` elements apart, from p on.
@@ -103,7 +107,7 @@ void decode_attention_portable(const DecodeAttention<scalar_t, cache_t>& a) {
       const int32_t* blocks = a.block_tables + s * a.max_blocks;
       scores.resize(group * n);
       for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = a.q + s * a.qs + (h * group + g) * a.qh;
+        const scalar_t* src = a.q + a.row(s) * a.qs + (h * group + g) * a.qh;
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * a.scale;
       }
       // Pass 1: scores of every query head of the group against each key, read once.
@@ -152,7 +156,7 @@ void decode_attention_portable(const DecodeAttention<scalar_t, cache_t>& a) {
         start = stop;
       }
       for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = a.out + s * a.os + (h * group + g) * a.oh;
+        scalar_t* dst = a.out + a.row(s) * a.os + (h * group + g) * a.oh;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
       }
     }
@@ -277,7 +281,7 @@ void run(const DecodeAttention<scalar_t, cache_t>& a) {
       }
       scores.resize(hg * ld);
       for (int64_t g = 0; g < hg; ++g) {
-        const scalar_t* src = a.q + s * a.qs + (h0 * group + g) * a.qh;
+        const scalar_t* src = a.q + a.row(s) * a.qs + (h0 * group + g) * a.qh;
         for (int64_t e = 0; e < d; ++e) q[g * d + e] = static_cast<float>(src[e]) * a.scale;
       }
       // Pass 1: scores, 16 keys at a time; the next chunk's K rows and this chunk's V
@@ -334,7 +338,7 @@ void run(const DecodeAttention<scalar_t, cache_t>& a) {
           }
         }
       for (int64_t g = 0; g < hg; ++g) {
-        scalar_t* dst = a.out + s * a.os + (h0 * group + g) * a.oh;
+        scalar_t* dst = a.out + a.row(s) * a.os + (h0 * group + g) * a.oh;
         for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<scalar_t>(acc[g * d + e] * inv[g]);
       }
     }
@@ -373,6 +377,223 @@ void decode_attention_run(const DecodeAttention<scalar_t, cache_t>& a, bool port
 }
 
 
+// Paged attention for query chunks of several tokens per sequence (chunked prefill, a
+// whole prompt, or 1-token rows): the chunk of sequence s holds its last
+// q_len = query_start[s + 1] - query_start[s] positions, seq_len - q_len .. seq_len - 1,
+// already written to the cache; the query at position p sees keys 0 .. p (causal within
+// the chunk, the cached prefix whole), or p - window + 1 .. p with a sliding window.
+// Read in place through the block table, as the decode kernel. Scores, softmax and sums
+// in fp32; the query's dtype is fp32, the cache's fp32, fp16 or bf16.
+template <typename cache_t>
+struct PrefillAttention {
+  const float* q;
+  int64_t qs, qh;  // query [num_tokens, num_heads, head_dim]
+  const cache_t* k;
+  int64_t kb, kt, kh;  // key cache [num_blocks, block_size, num_kv_heads, head_dim]
+  const cache_t* v;
+  int64_t vb, vt, vh;
+  float* out;
+  int64_t os, oh;  // out [num_tokens, num_heads, head_dim]
+  const int32_t* block_tables;  // [num_seqs, max_blocks]
+  int64_t max_blocks;
+  const int32_t* seq_lens;     // [num_seqs], the chunk included
+  const int32_t* query_start;  // [num_seqs + 1]: sequence s's rows are query_start[s] ..
+  const int32_t* seqs;         // the sequences to run, [num_run] indices into the above
+  int64_t num_run, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  int64_t window = 0;  // keys a query sees, its own included (HF's mask); 0: all
+  float softcap = 0.f;  // Gemma 2's softcap * tanh(score / softcap), before the mask; 0: none
+};
+
+namespace prefill_attn {
+
+// Query tokens a task takes (times the group's heads: its rows) and keys a span: a span's
+// scores [rows, kSpan] stay in L2 (128 KiB at 8 heads a group).
+constexpr int64_t kTileTokens = 16, kSpan = 256;
+
+// A task: one KV head of one sequence and a tile of its chunk's tokens.
+struct Task {
+  int64_t seq, head, first, count;  // chunk rows first .. first + count - 1
+};
+
+// One task, flash-attention style over spans of kSpan keys (Dao et al. 2022, section 3.1:
+// the softmax's running max m_i and sum l_i per row; the accumulator rescaled by
+// exp(m_old - m_new) when a span raises the max). Within a span, scores of every row are
+// computed first (each key row read once for all rows of the tile), then the span's
+// values. BLOCKED: AVX-512 tiles (head_dim a multiple of 16), else portable loops.
+template <bool BLOCKED, typename cache_t>
+void run_task(const PrefillAttention<cache_t>& a, const Task& task, std::vector<float>& q,
+              std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& part,
+              std::vector<const cache_t*>& krows, std::vector<const cache_t*>& vrows) {
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim;
+  const int64_t rows = task.count * group;
+  const int64_t s = a.seqs[task.seq], h = task.head;
+  const int64_t q0 = a.query_start[s], q_len = a.query_start[s + 1] - q0;
+  const int64_t len = a.seq_lens[s], prefix = len - q_len;
+  const int32_t* blocks = a.block_tables + s * a.max_blocks;
+  // Row r is token task.first + r / group at position prefix + task.first + r / group, head
+  // h * group + r % group; it sees keys lo(r) .. pos(r).
+  auto pos = [&](int64_t r) { return prefix + task.first + r / group; };
+  auto lo = [&](int64_t r) {
+    return a.window > 0 ? std::max<int64_t>(0, pos(r) - a.window + 1) : int64_t{0};
+  };
+  const int64_t key_begin = lo(0), key_end = pos(rows - 1) + 1;
+  q.resize(rows * d);
+  acc.assign(rows * d, 0.f);
+  part.resize(rows * d);
+  std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f),
+      alpha(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = a.q + (q0 + task.first + r / group) * a.qs + (h * group + r % group) * a.qh;
+    for (int64_t e = 0; e < d; ++e) q[r * d + e] = src[e] * a.scale;
+  }
+  for (int64_t t0 = key_begin; t0 < key_end; t0 += kSpan) {
+    const int64_t n = std::min(kSpan, key_end - t0), ld = (n + 15) / 16 * 16;
+    krows.resize(n);
+    vrows.resize(n);
+    for (int64_t t = t0; t < t0 + n; ++t) {
+      const int64_t b = blocks[t / a.block_size], i = t % a.block_size;
+      krows[t - t0] = a.k + b * a.kb + i * a.kt + h * a.kh;
+      vrows[t - t0] = a.v + b * a.vb + i * a.vt + h * a.vh;
+    }
+    scores.resize(rows * ld);
+    // Scores [rows, n].
+#if defined(__AVX512F__)
+    if constexpr (BLOCKED) {
+      for (int64_t c = 0; c < n; c += 16) {
+        const int64_t cnt = std::min<int64_t>(16, n - c);
+        for (int64_t r = 0; r < rows; r += 4) {
+          float* out = scores.data() + r * ld + c;
+          const float* qr = &q[r * d];
+          switch (std::min<int64_t>(4, rows - r)) {
+            case 4: attn512::score_chunk<4>(qr, d, krows.data() + c, 0, cnt, out, ld); break;
+            case 3: attn512::score_chunk<3>(qr, d, krows.data() + c, 0, cnt, out, ld); break;
+            case 2: attn512::score_chunk<2>(qr, d, krows.data() + c, 0, cnt, out, ld); break;
+            default: attn512::score_chunk<1>(qr, d, krows.data() + c, 0, cnt, out, ld); break;
+          }
+        }
+      }
+    } else
+#endif
+    {
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t r = 0; r < rows; ++r) scores[r * ld + t] = dot(&q[r * d], krows[t], d);
+    }
+    // Soft-cap, mask, and the online softmax's update per row.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = &scores[r * ld];
+      if (a.softcap > 0.f)
+        for (int64_t t = 0; t < n; ++t) row[t] = std::tanh(row[t] / a.softcap) * a.softcap;
+      const int64_t allow_lo = std::max<int64_t>(lo(r) - t0, 0);
+      const int64_t allow_hi = std::min<int64_t>(pos(r) + 1 - t0, n);  // exclusive
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t t = allow_lo; t < allow_hi; ++t) mx = row[t] > mx ? row[t] : mx;
+      const float m_new = std::max(m[r], mx);
+      if (allow_lo >= allow_hi || m_new == -std::numeric_limits<float>::infinity()) {
+        std::fill(row, row + n, 0.f);  // nothing of this span is seen by row r
+        alpha[r] = 1.f;
+        continue;
+      }
+      std::fill(row, row + allow_lo, -std::numeric_limits<float>::infinity());
+      std::fill(row + allow_hi, row + n, -std::numeric_limits<float>::infinity());
+      exp_shifted(row, n, m_new);
+      float sum = 0.f;
+      for (int64_t t = allow_lo; t < allow_hi; ++t) sum += row[t];
+      alpha[r] = std::exp(m[r] - m_new);  // 0 on the first span a row sees
+      l[r] = l[r] * alpha[r] + sum;
+      m[r] = m_new;
+    }
+    // part = P V over the span, then acc = acc * alpha + part.
+#if defined(__AVX512F__)
+    if constexpr (BLOCKED) {
+      for (int64_t r = 0; r < rows; r += 4) {
+        const float* p = scores.data() + r * ld;
+        float* out = &part[r * d];
+        switch (std::min<int64_t>(4, rows - r)) {
+          case 4: attn512::value_tiles<4>(p, ld, vrows.data(), 0, n, out, d); break;
+          case 3: attn512::value_tiles<3>(p, ld, vrows.data(), 0, n, out, d); break;
+          case 2: attn512::value_tiles<2>(p, ld, vrows.data(), 0, n, out, d); break;
+          default: attn512::value_tiles<1>(p, ld, vrows.data(), 0, n, out, d); break;
+        }
+      }
+    } else
+#endif
+    {
+      std::fill(part.begin(), part.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t r = 0; r < rows; ++r)
+          if (scores[r * ld + t] != 0.f) axpy(&part[r * d], scores[r * ld + t], vrows[t], d);
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t e = 0; e < d; ++e) acc[r * d + e] = acc[r * d + e] * alpha[r] + part[r * d + e];
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = a.out + (q0 + task.first + r / group) * a.os + (h * group + r % group) * a.oh;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int64_t e = 0; e < d; ++e) dst[e] = acc[r * d + e] * inv;
+  }
+}
+
+}  // namespace prefill_attn
+
+// Whether the AVX-512 tiles take this call: an AVX-512 build, head_dim a multiple of 16.
+template <typename cache_t>
+inline bool prefill_attention_blocked(const PrefillAttention<cache_t>& a) {
+#if defined(__AVX512F__)
+  return a.head_dim % 16 == 0;
+#else
+  (void)a;
+  return false;
+#endif
+}
+
+// The chunks of a.seqs' sequences: tasks of (sequence, KV head, up to kTileTokens query
+// tokens), split over threads by their cost (rows x keys, prefix sums as TaskSplit);
+// portable = true forces the portable loops (tests compare both on one CPU).
+template <typename cache_t>
+void prefill_attention_run(const PrefillAttention<cache_t>& a, bool portable = false) {
+  using prefill_attn::kTileTokens;
+  using prefill_attn::Task;
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  std::vector<Task> tasks;
+  std::vector<int64_t> prefix{0};
+  for (int64_t i = 0; i < a.num_run; ++i) {
+    const int64_t s = a.seqs[i];
+    const int64_t q_len = a.query_start[s + 1] - a.query_start[s];
+    const int64_t past = a.seq_lens[s] - q_len;
+    for (int64_t first = 0; first < q_len; first += kTileTokens) {
+      const int64_t count = std::min(kTileTokens, q_len - first);
+      const int64_t end = past + first + count;  // keys of the tile's last row
+      const int64_t keys = a.window > 0 ? std::min(end, a.window + count) : end;
+      for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+        tasks.push_back({i, h, first, count});
+        prefix.push_back(prefix.back() + count * group * (keys + 16));
+      }
+    }
+  }
+  if (tasks.empty()) return;
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  auto begin = [&](int64_t p) -> int64_t {
+    const int64_t total = prefix.back();
+    return std::partition_point(prefix.begin(), prefix.end() - 1,
+                                [&](int64_t c) { return c * parts < p * total; }) -
+           prefix.begin();
+  };
+  const bool blocked = !portable && prefill_attention_blocked(a);
+  at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
+    std::vector<float> q, scores, acc, part;
+    std::vector<const cache_t*> krows, vrows;
+    for (int64_t i = begin(pb); i < begin(pe); ++i) {
+      if (blocked)
+        prefill_attn::run_task<true>(a, tasks[i], q, scores, acc, part, krows, vrows);
+      else
+        prefill_attn::run_task<false>(a, tasks[i], q, scores, acc, part, krows, vrows);
+    }
+  });
+}
+
+
 // out = decode attention of query over the caches ([num_seqs, num_heads, head_dim];
 // caches [num_blocks, block_size, num_kv_heads, head_dim] of the query's dtype, or
 // fp16/bf16 under an fp32 query). Checks shapes and dtypes.
@@ -380,5 +601,16 @@ void decode_attention_run(const DecodeAttention<scalar_t, cache_t>& a, bool port
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_tables,
                             at::Tensor seq_lens, double scale, bool portable = false);
+
+// out = paged attention of query chunks (PrefillAttention) for every sequence:
+// query/out [num_tokens, num_heads, head_dim] fp32; caches [num_blocks, block_size,
+// num_kv_heads, head_dim] fp32, fp16 or bf16; block_tables [num_seqs, max_blocks] int32;
+// seq_lens [num_seqs] int32; query_start_loc [num_seqs + 1] int32 (0 first, num_tokens
+// last, q_len in [1, seq_len]); window 0 for none, softcap 0 for none. Checks shapes,
+// dtypes, lengths and the block ids a sequence reads.
+void paged_attention_prefill(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                             at::Tensor value_cache, at::Tensor block_tables,
+                             at::Tensor seq_lens, at::Tensor query_start_loc, double scale,
+                             int64_t window = 0, double softcap = 0.0, bool portable = false);
 
 }  // namespace aioengine

@@ -7,6 +7,9 @@
 //   the whole query-head group (GQA, Ainslie et al. 2023). Scores, softmax and
 //   the weighted sum in fp32; a blocked AVX-512 kernel where it applies,
 //   portable=True forces the portable one (attention.h).
+// - paged_attention_prefill: query chunks of several tokens per sequence (chunked
+//   prefill) over the cached prefix and the chunk, causal, sliding window and soft-cap
+//   where given; flash-attention's online softmax over spans of keys (attention.h).
 // - fused_add_rms_norm: residual += x; x = rms_norm(residual) * weight, in
 //   place (vLLM's fused_add_rms_norm; RMSNorm, Zhang & Sennrich 2019).
 // - silu_and_mul: out = silu(x[:, :d]) * x[:, d:] (SwiGLU, Shazeer 2020).
@@ -20,7 +23,8 @@
 //   one call, built from the kernels above; each projection is dense fp32 or quantized
 //   (any mix of parts). Llama's block, and the twists of Qwen3 (Q/K norms) and Gemma
 //   2/3 (sandwich norms, GeGLU, Q/K norms, sliding windows, per-layer RoPE tables,
-//   soft-capping) as per-layer options (decode_layers.h).
+//   soft-capping) as per-layer options (decode_layers.h); steps that mix decode rows
+//   and prompt chunks too (query_start_loc).
 // - sample_from_logits: one token per row by temperature, min-p, top-k, top-p and inverse
 //   transform sampling with a given uniform, no sort of the vocabulary (sampling.h).
 //
@@ -52,6 +56,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
         pybind11::arg("portable") = false, release());
+  m.def("paged_attention_prefill", &aioengine::paged_attention_prefill, pybind11::arg("out"),
+        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+        pybind11::arg("query_start_loc"), pybind11::arg("scale"), pybind11::arg("window") = 0,
+        pybind11::arg("softcap") = 0.0, pybind11::arg("portable") = false, release());
   m.def("fused_add_rms_norm", &aioengine::fused_add_rms_norm, release());
   m.def("silu_and_mul", &aioengine::silu_and_mul, release());
   m.def("copy_blocks", &copy_blocks, pybind11::arg("kv_cache"), pybind11::arg("block_mapping"),
@@ -126,7 +135,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("activation") = "silu", py::arg("attn_logit_softcap") = 0.0)
-      .def("forward", &aioengine::LlamaDecodeLayers::forward, release())
+      .def("forward", &aioengine::LlamaDecodeLayers::forward, py::arg("residual"),
+           py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+           py::arg("query_start_loc") = py::none(), release())
       .def("set_profile", &aioengine::LlamaDecodeLayers::set_profile, py::arg("on"),
            "Time forward()'s ops (the calling thread's CPU time: run one thread) from now "
            "on, totals reset; off by default.")

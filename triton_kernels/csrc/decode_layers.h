@@ -73,18 +73,21 @@ class LlamaDecodeLayers {
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                     const std::string& activation = "silu", double attn_logit_softcap = 0.0);
 
-  // residual: [M, hidden] embeddings of the step's tokens, one per sequence; it becomes
-  // the residual stream after the last layer. cos, sin: [num_tables, M, head_dim] (or
-  // [M, head_dim], one table) rows of the RoPE tables at the tokens' positions; a
-  // layer uses table rope_table. kv_cache: [num_layers, 2, num_blocks, block_size,
-  // num_kv_heads, head_dim]. slots: [M] int64 cache slots of the new tokens;
-  // block_tables: [M, max_blocks] int32 (entries past a sequence's length may be any
-  // valid block id); seq_lens: [M] int32, the new token included. The caller (the
-  // attention plan) has checked slots, block ids and lengths against the cache.
+  // residual: [M, hidden] embeddings of the step's M tokens; it becomes the residual
+  // stream after the last layer. cos, sin: [num_tables, M, head_dim] (or [M, head_dim],
+  // one table) rows of the RoPE tables at the tokens' positions; a layer uses table
+  // rope_table. kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads,
+  // head_dim]. slots: [M] int64 cache slots of the new tokens; block_tables: [S,
+  // max_blocks] int32 (entries past a sequence's length may be any valid block id);
+  // seq_lens: [S] int32, the new tokens included. query_start_loc: [S + 1] int32, the
+  // tokens of sequence s are rows query_start_loc[s] .. query_start_loc[s + 1] - 1 (a
+  // decode row, or a prompt chunk attending causally to the cached prefix and itself);
+  // none: one token per sequence (S == M), a decode step. The caller (the attention
+  // plan) has checked slots, block ids and lengths against the cache.
   // Returns the final-normed hidden states [M, hidden].
   at::Tensor forward(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
                      at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
-                     double scale) {
+                     double scale, c10::optional<at::Tensor> query_start_loc = c10::nullopt) {
     const int64_t M = residual.size(0);
     TORCH_CHECK(residual.dim() == 2 && residual.size(1) == hidden_ && residual.is_contiguous() &&
                     residual.scalar_type() == at::kFloat, "forward: residual [M, hidden] fp32");
@@ -102,19 +105,28 @@ class LlamaDecodeLayers {
                      kv_cache.scalar_type() == at::kBFloat16),
                 "forward: kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, "
                 "head_dim] fp32, fp16 or bf16");
+    const int64_t S = seq_lens.numel();
+    at::Tensor qsl = query_start_loc.has_value() && query_start_loc->defined()
+                         ? *query_start_loc : at::Tensor();
     TORCH_CHECK(slots.numel() == M && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
-                    block_tables.dim() == 2 && block_tables.size(0) == M &&
+                    block_tables.dim() == 2 && block_tables.size(0) == S &&
                     block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-                    seq_lens.numel() == M && seq_lens.scalar_type() == at::kInt &&
-                    seq_lens.is_contiguous(), "forward: slots/block_tables/seq_lens");
+                    seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                    (qsl.defined() ? qsl.numel() == S + 1 && qsl.scalar_type() == at::kInt &&
+                                         qsl.is_contiguous()
+                                   : S == M),
+                "forward: slots [M] int64, block_tables [S, max_blocks] and seq_lens [S] int32, "
+                "query_start_loc [S + 1] int32 (or none and S == M)");
     switch (kv_cache.scalar_type()) {
       case at::kHalf:
-        return run<c10::Half>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens, scale);
+        return run<c10::Half>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens, qsl,
+                              scale);
       case at::kBFloat16:
         return run<c10::BFloat16>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens,
-                                  scale);
+                                  qsl, scale);
       default:
-        return run<float>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens, scale);
+        return run<float>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens, qsl,
+                          scale);
     }
   }
 
@@ -133,7 +145,8 @@ class LlamaDecodeLayers {
   // forward() for a cache of element type cache_t (K/V are rounded to it when written).
   template <typename cache_t>
   at::Tensor run(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
-                 at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                 at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                 at::Tensor query_start_loc, double scale) {
     const int64_t M = residual.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_n = q_size + 2 * kv_size;
@@ -151,16 +164,33 @@ class LlamaDecodeLayers {
     // outside the cache would corrupt memory (a few integer compares a step).
     const int32_t* bt = block_tables.data_ptr<int32_t>();
     const int32_t* lens = seq_lens.data_ptr<int32_t>();
-    const int64_t max_blocks = block_tables.size(1);
-    for (int64_t t = 0; t < M; ++t) {
+    const int64_t max_blocks = block_tables.size(1), S = seq_lens.numel();
+    const int32_t* qsl = query_start_loc.defined() ? query_start_loc.data_ptr<int32_t>() : nullptr;
+    for (int64_t t = 0; t < M; ++t)
       TORCH_CHECK(slot[t] >= 0 && slot[t] < num_blocks * block_size, "forward: slot ", slot[t],
                   " outside the cache of ", num_blocks * block_size, " slots");
-      TORCH_CHECK(lens[t] >= 1 && lens[t] <= max_blocks * block_size, "forward: seq_len ",
-                  lens[t], " outside [1, ", max_blocks * block_size, "]");
-      for (int64_t b = 0; b < (lens[t] + block_size - 1) / block_size; ++b)
-        TORCH_CHECK(bt[t * max_blocks + b] >= 0 && bt[t * max_blocks + b] < num_blocks,
-                    "forward: block id ", bt[t * max_blocks + b], " outside [0, ", num_blocks, ")");
+    TORCH_CHECK(qsl == nullptr || (qsl[0] == 0 && qsl[S] == M),
+                "forward: query_start_loc must run from 0 to M");
+    // Decode rows (one token) go to the decode kernel, the rest to the prefill kernel; a
+    // decode step (every sequence one token, rows in order) passes its tables as they are.
+    std::vector<int32_t> dec_bt, dec_lens, dec_rows, pre_seqs;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t q_len = qsl != nullptr ? qsl[s + 1] - qsl[s] : 1;
+      TORCH_CHECK(q_len >= 1 && lens[s] >= q_len && lens[s] <= max_blocks * block_size,
+                  "forward: sequence ", s, " has ", q_len, " new tokens and seq_len ", lens[s],
+                  " (at most ", max_blocks * block_size, ")");
+      for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
+        TORCH_CHECK(bt[s * max_blocks + b] >= 0 && bt[s * max_blocks + b] < num_blocks,
+                    "forward: block id ", bt[s * max_blocks + b], " outside [0, ", num_blocks, ")");
+      if (q_len > 1) {
+        pre_seqs.push_back(static_cast<int32_t>(s));
+      } else if (qsl != nullptr) {
+        dec_bt.insert(dec_bt.end(), bt + s * max_blocks, bt + (s + 1) * max_blocks);
+        dec_lens.push_back(lens[s]);
+        dec_rows.push_back(qsl[s]);
+      }
     }
+    const bool all_decodes = qsl == nullptr || (pre_seqs.empty() && S == M);
 
     DecodeAttention<float, cache_t> a;
     a.q = qkv.data_ptr<float>();
@@ -172,16 +202,40 @@ class LlamaDecodeLayers {
     a.out = attn.data_ptr<float>();
     a.os = q_size;
     a.oh = head_dim_;
-    a.block_tables = block_tables.data_ptr<int32_t>();
-    a.max_blocks = block_tables.size(1);
-    a.seq_lens = seq_lens.data_ptr<int32_t>();
-    a.num_seqs = M;
+    a.block_tables = all_decodes ? bt : dec_bt.data();
+    a.max_blocks = max_blocks;
+    a.seq_lens = all_decodes ? lens : dec_lens.data();
+    a.rows = all_decodes ? nullptr : dec_rows.data();
+    a.num_seqs = all_decodes ? S : static_cast<int64_t>(dec_lens.size());
     a.num_heads = num_heads_;
     a.num_kv_heads = num_kv_heads_;
     a.head_dim = head_dim_;
     a.block_size = block_size;
     a.scale = static_cast<float>(scale);
     a.softcap = softcap_;
+
+    PrefillAttention<cache_t> p;
+    p.q = a.q;
+    p.qs = a.qs;
+    p.qh = a.qh;
+    p.kb = p.vb = a.kb;
+    p.kt = p.vt = a.kt;
+    p.kh = p.vh = a.kh;
+    p.out = a.out;
+    p.os = a.os;
+    p.oh = a.oh;
+    p.block_tables = bt;
+    p.max_blocks = max_blocks;
+    p.seq_lens = lens;
+    p.query_start = qsl;
+    p.seqs = pre_seqs.data();
+    p.num_run = static_cast<int64_t>(pre_seqs.size());
+    p.num_heads = num_heads_;
+    p.num_kv_heads = num_kv_heads_;
+    p.head_dim = head_dim_;
+    p.block_size = block_size;
+    p.scale = a.scale;
+    p.softcap = softcap_;
 
     OpClock clock(profile_ ? &op_seconds_ : nullptr);
     for (int64_t i = 0; i < num_layers_; ++i) {
@@ -210,10 +264,11 @@ class LlamaDecodeLayers {
           std::copy(k + kv_size, k + kv_size + head_dim_, value_cache + off + h * a.kh);
         }
       }
-      a.k = key_cache;
-      a.v = value_cache;
-      a.window = l.sliding_window;
-      decode_attention_run(a);
+      a.k = p.k = key_cache;
+      a.v = p.v = value_cache;
+      a.window = p.window = l.sliding_window;
+      if (a.num_seqs > 0) decode_attention_run(a);
+      if (p.num_run > 0) prefill_attention_run(p);
       clock.lap(kOpAttention);
       project(o, attn, l.o_proj, at::Tensor());
       clock.lap(kOpO);
