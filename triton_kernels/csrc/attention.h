@@ -411,6 +411,32 @@ namespace prefill_attn {
 // scores [rows, kSpan] stay in L2 (128 KiB at 8 heads a group).
 constexpr int64_t kTileTokens = 16, kSpan = 256;
 
+// The max and the sum of x[lo .. hi - 1] (hi > lo), 16 lanes at a time where the CPU has
+// AVX-512.
+inline float span_max(const float* x, int64_t lo, int64_t hi) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t t = lo;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(m);
+  for (; t + 16 <= hi; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; t < hi; ++t) m = x[t] > m ? x[t] : m;
+  return m;
+}
+
+inline float span_sum(const float* x, int64_t lo, int64_t hi) {
+  float s = 0.f;
+  int64_t t = lo;
+#if defined(__AVX512F__)
+  __m512 vs = _mm512_setzero_ps();
+  for (; t + 16 <= hi; t += 16) vs = _mm512_add_ps(vs, _mm512_loadu_ps(x + t));
+  s = _mm512_reduce_add_ps(vs);
+#endif
+  for (; t < hi; ++t) s += x[t];
+  return s;
+}
+
 // A task: one KV head of one sequence and a tile of its chunk's tokens.
 struct Task {
   int64_t seq, head, first, count;  // chunk rows first .. first + count - 1
@@ -486,19 +512,22 @@ void run_task(const PrefillAttention<cache_t>& a, const Task& task, std::vector<
         for (int64_t t = 0; t < n; ++t) row[t] = std::tanh(row[t] / a.softcap) * a.softcap;
       const int64_t allow_lo = std::max<int64_t>(lo(r) - t0, 0);
       const int64_t allow_hi = std::min<int64_t>(pos(r) + 1 - t0, n);  // exclusive
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t t = allow_lo; t < allow_hi; ++t) mx = row[t] > mx ? row[t] : mx;
-      const float m_new = std::max(m[r], mx);
-      if (allow_lo >= allow_hi || m_new == -std::numeric_limits<float>::infinity()) {
-        std::fill(row, row + n, 0.f);  // nothing of this span is seen by row r
+      if (allow_lo >= allow_hi) {  // nothing of this span is seen by row r
+        std::fill(row, row + n, 0.f);
         alpha[r] = 1.f;
         continue;
       }
-      std::fill(row, row + allow_lo, -std::numeric_limits<float>::infinity());
-      std::fill(row + allow_hi, row + n, -std::numeric_limits<float>::infinity());
-      exp_shifted(row, n, m_new);
-      float sum = 0.f;
-      for (int64_t t = allow_lo; t < allow_hi; ++t) sum += row[t];
+      const float m_new = std::max(m[r], span_max(row, allow_lo, allow_hi));
+      if (m_new == -std::numeric_limits<float>::infinity()) {
+        std::fill(row, row + n, 0.f);
+        alpha[r] = 1.f;
+        continue;
+      }
+      // Masked keys weigh 0; only the keys row r sees are exponentiated.
+      std::fill(row, row + allow_lo, 0.f);
+      std::fill(row + allow_hi, row + n, 0.f);
+      exp_shifted(row + allow_lo, allow_hi - allow_lo, m_new);
+      const float sum = span_sum(row, allow_lo, allow_hi);
       alpha[r] = std::exp(m[r] - m_new);  // 0 on the first span a row sees
       l[r] = l[r] * alpha[r] + sum;
       m[r] = m_new;

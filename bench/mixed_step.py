@@ -1,0 +1,139 @@
+"""One model step that mixes decode rows and a prompt chunk, fused C++ layers vs the Python
+layer loop, in one process on the default model (SmolLM2-135M Q4_1 GGUF, fp32 activations).
+
+What chunked prefill's ITL cap (``--chunked-prefill-itl-ratio``) trades: a step with
+``--decodes`` decoding rows at ``--contexts`` tokens of context each, plus a new prompt's
+first chunk of ``--prompt-tokens`` tokens (0: decode only). Each step runs twice, interleaved:
+``fused`` (``cpu_ops.LlamaDecodeLayers``, which now takes prompt chunks:
+``csrc/attention.h`` ``PrefillAttention``) and ``python`` (the model's Python layer loop,
+which every step with a prompt chunk ran before). Also the prefill-only step of one
+``--prompt-len``-token prompt (its TTFT's model part). A step's time is the forward plus
+the LM head over the rows that sample (the decode rows; the prompt's last row when the
+step ends the prompt). Median of ``--reps`` after a warm-up; prints the load average.
+
+Usage: python bench/mixed_step.py [--decodes 32] [--contexts 150,600]
+       [--prompt-tokens 0,16,64,256] [--prompt-len 512] [--reps 7] [--threads 2]
+       [--clock wall|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def load_model(threads: int):
+    from aioengine.config import default_model_path
+    from aioengine.models import registry
+    from aioengine.models.decoder import DecoderArch
+    from aioengine.models.loader import load_hf_config, load_weights
+    from triton_kernels import cpu_ops
+
+    torch.set_num_threads(threads)
+    path = default_model_path()
+    config = load_hf_config(path)
+    arch = DecoderArch.from_hf_config(config)
+    weights = load_weights(path, config, torch.float32, "none")
+    cpu_ops.load()
+    model = registry.model_class(registry.family_of_config(config))(arch, weights,
+                                                                    torch.float32, 4096)
+    assert model.decode_layers is not None, "the fused C++ layers are not available"
+    return model
+
+
+def make_step(model, decodes: int, context: int, prompt: int, block_size: int = 16):
+    """Inputs of one step: ``decodes`` rows at position ``context`` (``context`` tokens
+    cached), then ``prompt`` tokens of a new prompt from position 0. Returns
+    (input_ids, positions, kv_cache, attn, sampled rows)."""
+    from aioengine.models.layers.attention import AttentionMetadata
+
+    a = model.arch
+    per_seq = -(-(context + 1) // block_size)
+    prompt_blocks = -(-prompt // block_size)
+    num_blocks = decodes * per_seq + prompt_blocks + 1
+    g = torch.Generator().manual_seed(0)
+    kv_cache = 0.5 * torch.randn(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads,
+                                 a.head_dim, generator=g)
+    width = max(per_seq, prompt_blocks, 1)
+    tables = torch.zeros(decodes + (prompt > 0), width, dtype=torch.int32)
+    slots, positions, q_lens, seq_lens = [], [], [], []
+    for i in range(decodes):
+        tables[i, :per_seq] = torch.arange(i * per_seq, (i + 1) * per_seq)
+        slots.append(int(tables[i, context // block_size]) * block_size + context % block_size)
+        positions.append(context)
+        q_lens.append(1)
+        seq_lens.append(context + 1)
+    if prompt:
+        first = decodes * per_seq
+        tables[decodes, :prompt_blocks] = torch.arange(first, first + prompt_blocks)
+        slots += [first * block_size + t for t in range(prompt)]
+        positions += list(range(prompt))
+        q_lens.append(prompt)
+        seq_lens.append(prompt)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    attn = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=tables,
+                             cu_seqlens_q=cu, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                             max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))
+    input_ids = torch.randint(0, a.vocab_size, (len(slots),), generator=g)
+    sampled = torch.arange(decodes) if decodes else torch.tensor([len(slots) - 1])
+    return input_ids, torch.tensor(positions), kv_cache, attn, sampled
+
+
+def time_step(model, inputs, fused: bool, reps: int, clock=time.perf_counter) -> float:
+    """Median milliseconds of forward + LM head on the sampled rows."""
+    input_ids, positions, kv_cache, attn, sampled = inputs
+    layers = model.decode_layers
+    model.decode_layers = layers if fused else None
+    try:
+        times = []
+        for _ in range(reps + 1):
+            t0 = clock()
+            hidden = model.forward(input_ids, positions, kv_cache, attn)
+            model.compute_logits(hidden[sampled])
+            times.append(clock() - t0)
+        return statistics.median(times[1:]) * 1e3
+    finally:
+        model.decode_layers = layers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--decodes", type=int, default=32)
+    p.add_argument("--contexts", default="150,600")
+    p.add_argument("--prompt-tokens", default="0,16,64,256")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: the calling thread's CPU time (steady on a shared machine; "
+                        "with --threads 1 it is the whole cost)")
+    args = p.parse_args()
+    model = load_model(args.threads)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+
+    def best(inputs, fused: bool) -> float:
+        return min(time_step(model, inputs, fused, args.reps, clock) for _ in range(2))
+
+    print(f"{args.threads} threads, {args.clock} clock, load average "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    print("decodes context prompt |  python ms |  fused ms | python/fused")
+    for context in (int(c) for c in args.contexts.split(",")):
+        for prompt in (int(n) for n in args.prompt_tokens.split(",")):
+            inputs = make_step(model, args.decodes, context, prompt)
+            python, fused = best(inputs, False), best(inputs, True)
+            print(f"{args.decodes:7d} {context:7d} {prompt:6d} | {python:10.1f} | {fused:9.1f} "
+                  f"| {python / fused:5.2f}x", flush=True)
+    inputs = make_step(model, 0, 0, args.prompt_len)
+    python, fused = best(inputs, False), best(inputs, True)
+    print(f"prefill-only step, {args.prompt_len}-token prompt: python {python:.1f} ms, "
+          f"fused {fused:.1f} ms ({python / fused:.2f}x)")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
