@@ -185,7 +185,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_waiting_requests: int = 1024
     enable_chunked_prefill: bool = True
-    chunked_prefill_itl_ratio: float = 0.0
+    chunked_prefill_itl_ratio: float = 1.5
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

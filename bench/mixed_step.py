@@ -84,21 +84,24 @@ def make_step(model, decodes: int, context: int, prompt: int, block_size: int = 
     return input_ids, torch.tensor(positions), kv_cache, attn, sampled
 
 
-def time_step(model, inputs, fused: bool, reps: int, clock=time.perf_counter) -> float:
-    """Median milliseconds of forward + LM head on the sampled rows."""
+def time_steps(model, inputs, reps: int, clock=time.perf_counter) -> tuple[float, float]:
+    """Median milliseconds of forward + LM head on the sampled rows: the Python layer loop
+    and the fused layers, alternating step by step (a burst of other work on a shared
+    machine then hits both alike); the first step of each is a warm-up."""
     input_ids, positions, kv_cache, attn, sampled = inputs
     layers = model.decode_layers
-    model.decode_layers = layers if fused else None
+    times: dict[bool, list[float]] = {False: [], True: []}
     try:
-        times = []
         for _ in range(reps + 1):
-            t0 = clock()
-            hidden = model.forward(input_ids, positions, kv_cache, attn)
-            model.compute_logits(hidden[sampled])
-            times.append(clock() - t0)
-        return statistics.median(times[1:]) * 1e3
+            for fused in (False, True):
+                model.decode_layers = layers if fused else None
+                t0 = clock()
+                hidden = model.forward(input_ids, positions, kv_cache, attn)
+                model.compute_logits(hidden[sampled])
+                times[fused].append(clock() - t0)
     finally:
         model.decode_layers = layers
+    return (statistics.median(times[False][1:]) * 1e3, statistics.median(times[True][1:]) * 1e3)
 
 
 def main() -> None:
@@ -116,20 +119,17 @@ def main() -> None:
     model = load_model(args.threads)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
-    def best(inputs, fused: bool) -> float:
-        return min(time_step(model, inputs, fused, args.reps, clock) for _ in range(2))
-
     print(f"{args.threads} threads, {args.clock} clock, load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     print("decodes context prompt |  python ms |  fused ms | python/fused")
     for context in (int(c) for c in args.contexts.split(",")):
         for prompt in (int(n) for n in args.prompt_tokens.split(",")):
             inputs = make_step(model, args.decodes, context, prompt)
-            python, fused = best(inputs, False), best(inputs, True)
+            python, fused = time_steps(model, inputs, args.reps, clock)
             print(f"{args.decodes:7d} {context:7d} {prompt:6d} | {python:10.1f} | {fused:9.1f} "
                   f"| {python / fused:5.2f}x", flush=True)
     inputs = make_step(model, 0, 0, args.prompt_len)
-    python, fused = best(inputs, False), best(inputs, True)
+    python, fused = time_steps(model, inputs, args.reps, clock)
     print(f"prefill-only step, {args.prompt_len}-token prompt: python {python:.1f} ms, "
           f"fused {fused:.1f} ms ({python / fused:.2f}x)")
     print(f"load average after: {os.getloadavg()[0]:.2f}")

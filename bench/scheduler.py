@@ -16,7 +16,9 @@ For each mode a server is started (or ``--url-MODE`` is used):
 3. The streams' inter-token latencies (ITL) are split into "before" (no new
    prompt sent yet) and "during" (the gap ends after the first one was sent);
    p50/p90/p99/max of each and p99/p50 during are reported, with the new
-   prompts' TTFT.
+   prompts' TTFT, and the TTFT of step 1's burst of streams (a cap that throttled a
+   burst, admitting a prompt or two a step, shows there) beside the most requests
+   the engine ran in one step.
 
 Modes (all ``--max-num-batched-tokens CHUNK_BUDGET``, default 2048, the
 server's default):
@@ -141,6 +143,7 @@ async def run_mode(endpoint: Endpoint, args: argparse.Namespace, seed: int) -> d
                                          / percentile(sorted(itl_during), 50), 3)
         if itl_during else float("nan"),
         "long_prompt_ttft": latency_summary(r.ttft_s for r in long_results if r.ok),
+        "stream_ttft": latency_summary(r.ttft_s for r in results if r.token_times),
         "duration_s": round(time.perf_counter() - t0, 3),
         "engine_stats": stats_delta(before, after),
         "itl_samples_ms": [[round(1000 * (b - t0), 2), round(1000 * (b - a), 3)]
@@ -282,6 +285,10 @@ def print_mode(mode: str, r: dict) -> None:
           f"({r['itl_p99_over_p50_during']:.2f}x), "
           f"max {r['itl_max_during_ms']:.0f} ms (before: p50 {b['p50_ms']:.0f}, "
           f"p99 {b['p99_ms']:.0f} ms); long prompt TTFT p50 {lt['p50_ms']:.0f} ms", flush=True)
+    st = r["stream_ttft"]
+    print(f"  burst of {r['num_streams']} streams sent at once: TTFT p50 {st['p50_ms']:.0f} ms, "
+          f"p99 {st['p99_ms']:.0f} ms; most requests in one step "
+          f"{r['engine_stats'].get('max_reqs_in_step')}", flush=True)
 
 
 if __name__ == "__main__":
