@@ -368,7 +368,9 @@ _LAYER_TUPLE = ("input_layernorm", "post_attention_layernorm", "qkv_proj", "qkv_
 
 
 class LlamaDecodeLayers:
-    """A decoder-only model's layers for a decode step, in one C++ call.
+    """A decoder-only model's layers for a step, in one C++ call: decode rows, prompt chunks
+    (chunked prefill) or both; a mixed step then stays as cheap as its tokens' GEMM rows
+    (bench/mixed_step.py).
 
     Between two weight-streaming matmuls every small op of the Python forward starts with
     cold caches and costs 30-40 us instead of a few; at batch 1 on the dev machine that

@@ -12,12 +12,12 @@ Weights are used in the format they were loaded in: dense tensors, or GGML block
 formats (``triton_kernels.quant.QuantizedWeight``); every projection, the embedding
 and the LM head go through ``quant.linear`` / ``quant.embedding``.
 
-Decode steps on CPU in fp32 run the whole layer stack in one C++ call
-(``cpu_ops.LlamaDecodeLayers``): Llama, Mistral, Qwen2, Qwen3 (Q/K norms), Gemma 2 and
-3 (sandwich norms, GeGLU, Q/K norms, soft-capping, sliding windows, per-layer RoPE) and
-Phi-3 with whole-head RoPE, dense or quantized. Partial rotary (Phi-4-mini, Phi-3.5
-LongRoPE files with a partial factor), tensor parallelism and other activations run the
-Python layer loop (``CausalLM.fused_decode_blocker`` says why).
+Steps on CPU in fp32 (decode rows, prompt chunks or both) run the whole layer stack in
+one C++ call (``cpu_ops.LlamaDecodeLayers``): Llama, Mistral, Qwen2, Qwen3 (Q/K norms),
+Gemma 2 and 3 (sandwich norms, GeGLU, Q/K norms, soft-capping, sliding windows,
+per-layer RoPE) and Phi-3 with whole-head RoPE, dense or quantized. Partial rotary
+(Phi-4-mini, Phi-3.5 LongRoPE files with a partial factor), tensor parallelism and other
+activations run the Python layer loop (``CausalLM.fused_decode_blocker`` says why).
 """
 
 from __future__ import annotations

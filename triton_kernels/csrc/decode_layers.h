@@ -1,5 +1,5 @@
-// The decoder layers of a Llama-family model for one decode step, in one call
-// (decode_layers.cpp). Weights come as named structs (DecoderLayerWeights), one per layer.
+// The decoder layers of a Llama-family model for one step (decode rows, prompt chunks or
+// both), in one call (decode_layers.cpp). Weights come as named structs (DecoderLayerWeights), one per layer.
 
 #pragma once
 
@@ -46,7 +46,8 @@ struct DecoderLayerWeights {
 // the tanh approximation (GeGLU; Gemma).
 enum class GatedActivation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
-// The decoder layers of a Llama-family model for one decode step, in one call.
+// The decoder layers of a Llama-family model for one step, in one call: decode rows, prompt
+// chunks (chunked prefill, whole prompts) or a mix of both.
 //
 // Between two weight-streaming matmuls, every small op the Python forward runs starts
 // with cold caches (the weights just swept L2) and costs 30-40 us instead of a few;
@@ -55,7 +56,9 @@ enum class GatedActivation : int64_t { kSilu = 0, kGeluTanh = 1 };
 // idea of decode megakernels (Hazy Research, "Look Ma, No Bubbles!", 2025). Each
 // layer: RMSNorm (+ residual add), QKV projection (+ bias), per-head Q/K RMSNorm where
 // given, rotate-half RoPE from the layer's table, K/V written to their cache slots,
-// paged decode attention (sliding window and soft-capping where set), O projection,
+// paged attention (sliding window and soft-capping where set: decode rows through the
+// decode kernel, each prompt chunk through PrefillAttention over its cached prefix and
+// itself; projections take all the step's tokens as rows), O projection,
 // [RMSNorm of the output,] residual add + RMSNorm, gate/up projection, SiLU or GELU *
 // up, down projection[, RMSNorm of the output]. The bracketed norms are Gemma's
 // sandwich. One kernel for every family; the per-family parts are the optional weights
