@@ -300,7 +300,13 @@ def test_cli_flag_reaches_the_scheduler_config():
     args = parser.parse_args(["--chunked-prefill-itl-ratio", "1.25"])
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     assert config.scheduler.chunked_prefill_itl_ratio == 1.25
-    assert SchedulerConfig().chunked_prefill_itl_ratio == 0  # opt-in: it throttles bursts
+    # On by default, the CLI and the config alike (steps with prompt chunks stay on the
+    # fused layers, so the cap no longer throttles a burst); 0 turns it off.
+    assert SchedulerConfig().chunked_prefill_itl_ratio == 1.5
+    assert parser.parse_args([]).chunked_prefill_itl_ratio == 1.5
+    off = EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(
+        ["--chunked-prefill-itl-ratio", "0"])))
+    assert off.scheduler.chunked_prefill_itl_ratio == 0
     assert "--chunked-prefill-itl-ratio" in parser.format_help()
 
 

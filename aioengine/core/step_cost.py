@@ -23,11 +23,12 @@ prefill tokens (prompt chunks, recomputation after a preemption, drafts).
 decode-only steps, ``c`` the least-squares slope through the origin of the
 last ``window`` prefill steps' time beyond ``a + b * D``. Decode-only and
 prefill steps are kept apart so a long run of either does not push the other
-out of the window. A mixed step also pays a cost per step (its decode rows
-leave the decode-only fast path), which the slope through the origin charges
-to its tokens: at a steady chunk size that is exact, and the cap settles
-where the step's whole time meets the ratio; the slope is fitted to mixed
-steps only once there are any. Where the decode-only steps cannot place the
+out of the window. A mixed step may also pay a cost per step (where the
+model runs prompt chunks on a slower path than decode rows; on the CPU the
+fused C++ layers take both), which the slope through the origin charges to
+its tokens: at a steady chunk size that is exact, and the cap settles where
+the step's whole time meets the ratio; the slope is fitted to mixed steps
+only once there are any. Where the decode-only steps cannot place the
 line (all of one batch size, or a fit with a negative part) it goes through
 the origin (``a = 0``): that errs toward a smaller cap, never a longer step,
 as it charges the intercept of a prefill-only step to its tokens and predicts
@@ -95,8 +96,8 @@ class StepCostModel:
         if a < 0 or b < 0:  # one batch size, or noise (a shared machine)
             a, b = 0.0, mean_t / mean_d
         # Mixed steps (prefill beside decodes) are the ones the cap governs, and
-        # they cost more than a prefill-only step of as many tokens: the decode
-        # rows leave the decode-only fast path. Prefill-only steps count only
+        # they may cost more than a prefill-only step of as many tokens (a model
+        # whose prompt chunks take a slower path). Prefill-only steps count only
         # while no mixed step is known.
         steps = [s for s in self._prefill_steps if s[0] > 0] or self._prefill_steps
         num = sum(p * (t - a - b * d) for d, p, t in steps)
