@@ -75,8 +75,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "decode-only step: decoding streams' ITL grows to at most RATIO times "
                         "its usual value while prompts arrive; with nothing decoding a prompt "
                         "gets the whole --max-num-batched-tokens. 0 (no cap) or above 1; 1.5 "
-                        "keeps ITL p99 near 2x p50 but admits a burst of new requests about "
-                        "one short prompt a step (default: %(default)s)")
+                        "keeps ITL p99 under 2x p50 while prompts arrive, at the cost of "
+                        "those prompts' TTFT (default: %(default)s)")
     g.add_argument("--async-scheduling", nargs="?", const="on", default="auto",
                    choices=["auto", "on", "off"],
                    help="schedule the next step while the worker runs this one (vLLM's flag; "
