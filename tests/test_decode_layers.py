@@ -521,6 +521,28 @@ def test_the_kernel_checks_slots_and_block_ids_itself(bad):
     assert not kv_cache.any()
 
 
+@pytest.mark.parametrize("bad", ["ends_short", "chunk_past_seq_len"])
+def test_the_kernel_checks_the_query_start_locations(bad):
+    """A step with prompt chunks: query_start_loc must run from 0 to the step's tokens and
+    no chunk may be longer than its sequence (its rows would read before position 0)."""
+    model = our_model(hf_config(**ARCHS["llama_mha"]))
+    a = model.arch
+    kv_cache = torch.zeros(a.num_layers, 2, 4, 16, a.num_kv_heads, a.head_dim)
+    slots = torch.tensor([16, 17, 18])
+    block_tables = torch.tensor([[1]], dtype=torch.int32)
+    seq_lens = torch.tensor([3], dtype=torch.int32)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    if bad == "ends_short":
+        qsl = torch.tensor([0, 2], dtype=torch.int32)
+    else:
+        seq_lens = torch.tensor([2], dtype=torch.int32)
+    cos, sin = model.rotary.cos[:3].contiguous(), model.rotary.sin[:3].contiguous()
+    with pytest.raises(RuntimeError, match="query_start_loc|outside"):
+        model.decode_layers._impl.forward(torch.randn(3, a.hidden_size), cos, sin, kv_cache,
+                                          slots, block_tables, seq_lens, model.scale, qsl)
+    assert not kv_cache.any()
+
+
 def test_linear_hands_what_it_does_not_cover_to_f_linear():
     x, w = torch.randn(3, 8), torch.randn(5, 8)
     # a bias F.linear broadcasts

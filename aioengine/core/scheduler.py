@@ -271,20 +271,30 @@ class Scheduler:
     def prefill_token_cap(self) -> int:
         """Most prompt tokens this step may carry (``chunked_prefill_itl_ratio``):
         while requests decode, as many as keep the step's predicted time
-        (``StepCostModel``) within the ratio of a decode-only step's, at least
-        one KV block so prompts progress; otherwise, or before the worker's step
-        times allow a prediction, ``max_num_batched_tokens``."""
+        (``StepCostModel``) within the ratio of a decode-only step's, that step
+        counting the requests still to be prefilled as decode rows too (they
+        join the streams: a burst is admitted in a few steps), at least one KV
+        block so prompts progress; otherwise, or before the worker's step times
+        allow a prediction, ``max_num_batched_tokens``."""
         budget = self.config.max_num_batched_tokens
         ratio = self.config.chunked_prefill_itl_ratio
         if not ratio or not self.config.enable_chunked_prefill:
             return budget
-        num_decodes = sum(
-            1
-            for r in self.running
-            if self._num_tokens_ahead(r) - r.num_computed_tokens == 1
-            and not self._ends_in_flight(r)
+        num_decodes = num_prefilling = 0
+        for r in self.running:
+            ahead = self._num_tokens_ahead(r) - r.num_computed_tokens
+            if ahead == 1 and not self._ends_in_flight(r):
+                num_decodes += 1
+            elif ahead > 1:
+                num_prefilling += 1
+        # Requests still to be prefilled (running a chunk, or waiting) will decode
+        # beside these rows: the reference step is theirs together (a burst).
+        joining = min(
+            num_prefilling + len(self.waiting), max(0, self.config.max_num_seqs - num_decodes)
         )
-        cap = self.step_cost.max_prefill_tokens(num_decodes, ratio) if num_decodes else None
+        cap = (
+            self.step_cost.max_prefill_tokens(num_decodes, ratio, joining) if num_decodes else None
+        )
         if cap is None:
             return budget
         return min(budget, max(cap, self.kv_cache_manager.block_size))

@@ -116,13 +116,22 @@ class StepCostModel:
         a, b, _ = fit
         return max(a + b * num_decode_rows, 0.0)
 
-    def max_prefill_tokens(self, num_decode_rows: int, itl_ratio: float) -> int | None:
+    def max_prefill_tokens(self, num_decode_rows: int, itl_ratio: float,
+                           num_joining: int = 0) -> int | None:
         """Most prefill tokens a step with ``num_decode_rows`` decodes may carry
         so that its predicted time is at most ``itl_ratio`` times the
         decode-only step's (``itl_ratio > 1``); None while the estimate is not
-        trusted. May be 0: the caller applies its own floor."""
+        trusted. May be 0: the caller applies its own floor.
+
+        ``num_joining``: requests whose prompts are waiting and will decode
+        beside these rows once prefilled. The reference is then the decode-only
+        step of ``num_decode_rows + num_joining`` rows, the streams' ITL once they
+        have joined: a burst of short prompts beside a few decoding requests is
+        admitted in a few steps, not one block a step, while one long prompt
+        arriving beside many streams is capped as before."""
         decode_time = self.decode_step_time(num_decode_rows)
+        joined_time = self.decode_step_time(num_decode_rows + num_joining)
         fit = self.coefficients()
-        if decode_time is None or fit is None:
+        if decode_time is None or joined_time is None or fit is None:
             return None
-        return int((itl_ratio - 1.0) * decode_time / fit[2])
+        return max(0, int((itl_ratio * joined_time - decode_time) / fit[2]))

@@ -180,8 +180,8 @@ class LlamaDecodeLayers {
     for (int64_t s = 0; s < S; ++s) {
       const int64_t q_len = qsl != nullptr ? qsl[s + 1] - qsl[s] : 1;
       TORCH_CHECK(q_len >= 1 && lens[s] >= q_len && lens[s] <= max_blocks * block_size,
-                  "forward: sequence ", s, " has ", q_len, " new tokens and seq_len ", lens[s],
-                  " (at most ", max_blocks * block_size, ")");
+                  "forward: sequence ", s, " has seq_len ", lens[s], " outside [", q_len, ", ",
+                  max_blocks * block_size, "] for its ", q_len, " new tokens");
       for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
         TORCH_CHECK(bt[s * max_blocks + b] >= 0 && bt[s * max_blocks + b] < num_blocks,
                     "forward: block id ", bt[s * max_blocks + b], " outside [0, ", num_blocks, ")");
