@@ -158,9 +158,10 @@ class SchedulerConfig:
         enable_chunked_prefill: split long prompts across steps.
         chunked_prefill_itl_ratio: while requests are decoding, a step's prefill
             tokens are capped so that its predicted time is at most this many
-            times a decode-only step's: the decoding requests' inter-token
-            latency (ITL) grows to at most this many times its decode-only value
-            while prompts arrive.
+            times a decode-only step's (of the decoding requests and those still
+            to be prefilled, which join them): the decoding requests'
+            inter-token latency (ITL) grows to at most this many times its
+            decode-only value while prompts arrive.
             The prediction is fitted to the worker's measured step times
             (``aioengine.core.step_cost``); the cap is never below one KV block
             (prompts always progress), and with nothing decoding a prompt gets
