@@ -336,13 +336,10 @@ def test_cli_flag_reaches_the_scheduler_config():
     args = parser.parse_args(["--chunked-prefill-itl-ratio", "1.25"])
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     assert config.scheduler.chunked_prefill_itl_ratio == 1.25
-    # On by default, the CLI and the config alike (steps with prompt chunks stay on the
-    # fused layers, so the cap no longer throttles a burst); 0 turns it off.
-    assert SchedulerConfig().chunked_prefill_itl_ratio == 1.5
-    assert parser.parse_args([]).chunked_prefill_itl_ratio == 1.5
-    off = EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(
-        ["--chunked-prefill-itl-ratio", "0"])))
-    assert off.scheduler.chunked_prefill_itl_ratio == 0
+    # Off by default, the CLI and the config alike (ITL p99/p50 measured 2.38x on a
+    # quiet machine with 1.5: bench/scheduler.py).
+    assert SchedulerConfig().chunked_prefill_itl_ratio == 0
+    assert parser.parse_args([]).chunked_prefill_itl_ratio == 0
     assert "--chunked-prefill-itl-ratio" in parser.format_help()
 
 
