@@ -69,13 +69,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false", help="turn automatic prefix caching off")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", help="turn chunked prefill off")
-    g.add_argument("--chunked-prefill-itl-ratio", type=float, default=1.5, metavar="RATIO",
+    g.add_argument("--chunked-prefill-itl-ratio", type=float, default=0.0, metavar="RATIO",
                    help="while requests decode, cap a step's prefill tokens so the step is "
                         "predicted (from measured step times) to take at most RATIO times a "
                         "decode-only step: decoding streams' ITL grows to at most RATIO times "
                         "its usual value while prompts arrive; with nothing decoding a prompt "
                         "gets the whole --max-num-batched-tokens. 0 (no cap) or above 1; 1.5 "
-                        "keeps ITL p99 under 2x p50 while prompts arrive, at the cost of "
+                        "keeps ITL p99 near 2x p50 while prompts arrive, at the cost of "
                         "those prompts' TTFT (default: %(default)s)")
     g.add_argument("--async-scheduling", nargs="?", const="on", default="auto",
                    choices=["auto", "on", "off"],
