@@ -537,7 +537,7 @@ def test_the_kernel_checks_the_query_start_locations(bad):
     else:
         seq_lens = torch.tensor([2], dtype=torch.int32)
     cos, sin = model.rotary.cos[:3].contiguous(), model.rotary.sin[:3].contiguous()
-    with pytest.raises(RuntimeError, match="query_start_loc|outside"):
+    with pytest.raises(RuntimeError, match=r"query_start_loc|outside"):
         model.decode_layers._impl.forward(torch.randn(3, a.hidden_size), cos, sin, kv_cache,
                                           slots, block_tables, seq_lens, model.scale, qsl)
     assert not kv_cache.any()
