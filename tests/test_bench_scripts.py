@@ -111,9 +111,10 @@ def test_throughput_script_writes_both_sides(tmp_path: Path) -> None:
                "--sampling-share-rows", "2", "--skip-worker-idle", "--output-json", str(out),
                "--no-progress")
     report = json.loads(out.read_text())
-    for mode in ("greedy_2", "sampled_2"):
-        share = report["sampling_share"][mode]
-        assert 0 < share["sampler_ms"] < share["step_ms"] and share["lm_head_ms"] > 0
+    greedy, sampled = (report["sampling_share"][m] for m in ("greedy_2", "sampled_2"))
+    # Plain greedy rows take the LM head's fused argmax: no sampler pass at all.
+    assert greedy["sampler_ms"] == 0 and 0 < greedy["lm_head_ms"] < greedy["step_ms"]
+    assert 0 < sampled["sampler_ms"] < sampled["step_ms"] and sampled["lm_head_ms"] > 0
     for side in ("engine", "hf"):
         assert {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                 "elapsed_s"} <= set(report[side])
