@@ -27,10 +27,10 @@ attending to ``n`` keys), so the later chunks of a long prompt cost more than
 its first one of as many tokens; a model in ``P`` alone fits their mean and
 under-predicts the last chunks, which set the ITL's p99.
 ``a`` and ``b`` are the least-squares line through the last ``window``
-decode-only steps; ``c`` and ``e`` the non-negative least-squares fit through
-the origin of the last ``window`` prefill steps' time beyond ``a + b * D``
-(both, or the better of either alone where the pair is not both positive or
-the steps cannot tell them apart: chunks all of one size at one offset).
+decode-only steps; ``c`` and ``e`` the least-squares fit through the origin of
+the last ``window`` prefill steps' time beyond ``a + b * D``, where both come out
+positive and the steps tell them apart; otherwise (chunks all of one size at
+one offset, or noise) ``e = 0`` and ``c`` the slope alone, the linear model.
 Decode-only and prefill steps are kept apart so a long run of either does not
 push the other out of the window. A mixed step may also pay a cost per step
 (where the model runs prompt chunks on a slower path than decode rows; on the
@@ -182,10 +182,12 @@ class StepCostModel:
 
 
 def _nonnegative_fit(rows: list[tuple[int, int, float]]) -> tuple[float, float]:
-    """``(c, e) >= 0`` minimizing ``sum (r - c * p - e * k)^2`` over ``(p, k, r)``
-    (non-negative least squares of two columns, Lawson and Hanson 1974, ch. 23:
-    the unconstrained solution where both parts are positive, else the better
-    of the two one-column fits). ``c`` is floored at ``MIN_TOKEN_COST``."""
+    """``(c, e)`` minimizing ``sum (r - c * p - e * k)^2`` over ``(p, k, r)``: the
+    least-squares pair where both parts come out positive and the rows tell the
+    columns apart; else the tokens' slope alone (``e = 0``, the linear model). A
+    fit of ``e`` alone (``c = 0``) is not taken: it would let a prompt's first
+    chunk (no prefix) grow to ``sqrt(2 budget / e)`` tokens on the strength of
+    noise. ``c`` is floored at ``MIN_TOKEN_COST``."""
     spp = sum(p * p for p, _, _ in rows)
     skk = sum(float(k) * k for _, k, _ in rows)
     spk = sum(float(p) * k for p, k, _ in rows)
@@ -197,11 +199,4 @@ def _nonnegative_fit(rows: list[tuple[int, int, float]]) -> tuple[float, float]:
         e = (spp * skr - spk * spr) / det
         if c > 0 and e >= 0:
             return c, e
-    c_only = max(spr / spp, 0.0)
-    e_only = max(skr / skk, 0.0) if skk > 0 else 0.0
-    # Residual sum of squares less the constant sum r^2: -2 x s_xr + x^2 s_xx.
-    if det > RANK_TOLERANCE * spp * skk and e_only * (e_only * skk - 2 * skr) < c_only * (
-        c_only * spp - 2 * spr
-    ):
-        return MIN_TOKEN_COST, e_only
-    return max(c_only, MIN_TOKEN_COST), 0.0
+    return max(spr / spp, MIN_TOKEN_COST), 0.0
