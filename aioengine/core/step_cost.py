@@ -84,6 +84,7 @@ class StepCostModel:
         self._decode_steps: deque[tuple[int, float]] = deque(maxlen=window)
         self._prefill_steps: deque[tuple[int, int, int, float]] = deque(maxlen=window)
         self._fit: tuple[float, float, float, float] | None = None
+        self._slope = MIN_TOKEN_COST  # the linear model's c (e = 0), same steps
         self._stale = False
 
     def observe(
@@ -136,7 +137,9 @@ class StepCostModel:
         # whose prompt chunks take a slower path). Prefill-only steps count only
         # while no mixed step is known.
         steps = [s for s in self._prefill_steps if s[0] > 0] or self._prefill_steps
-        c, e = _nonnegative_fit([(p, k, t - a - b * d) for d, p, k, t in steps])
+        rows = [(p, k, t - a - b * d) for d, p, k, t in steps]
+        c, e = _nonnegative_fit(rows)
+        self._slope = _nonnegative_fit([(p, 0, r) for p, _, r in rows])[0]
         return a, b, c, e
 
     def decode_step_time(self, num_decode_rows: int) -> float | None:
@@ -166,7 +169,9 @@ class StepCostModel:
         ``num_computed``: the prompt tokens before the chunk (its prefix); the
         chunk is charged as one chunk after that many tokens, so a later chunk
         of a long prompt is shorter than its first (the largest root ``n`` of
-        ``c * n + e * prefill_context(num_computed, n) = budget``)."""
+        ``c * n + e * prefill_context(num_computed, n) = budget``), and none is
+        longer than the linear model's (``e = 0``, its ``c`` fitted to the same
+        steps) would be."""
         decode_time = self.decode_step_time(num_decode_rows)
         joined_time = self.decode_step_time(num_decode_rows + num_joining)
         fit = self.coefficients()
@@ -178,7 +183,11 @@ class StepCostModel:
             return 0
         # (e / 2) n^2 + (c + e (s + 1/2)) n - budget = 0, in its cancellation-free form.
         linear = c + e * (num_computed + 0.5)
-        return max(0, int(2 * budget / (linear + math.sqrt(linear * linear + 2 * e * budget))))
+        cap = 2 * budget / (linear + math.sqrt(linear * linear + 2 * e * budget))
+        # Never above the linear model's cap (the tokens' slope alone, fitted to the
+        # same steps): where the pair extrapolates to a short prefix from noisy
+        # steps, the first chunk is not let grow past the chunks of the linear fit.
+        return max(0, int(min(cap, budget / self._slope)))
 
 
 def _nonnegative_fit(rows: list[tuple[int, int, float]]) -> tuple[float, float]:
