@@ -172,9 +172,10 @@ class SchedulerConfig:
             chunks stay on the fused C++ layers and the reference counts the
             joining requests), and with 32 streams decoding and long prompts
             arriving, the prediction charging each chunk its prompt's prefix
-            (attention), it gave ITL p99/p50 1.54x and 1.38x on a busy machine
-            (load 2.3-5.9; 10.9x and 12.9x with 0), at 3.6-6.6x the arriving
-            prompts' TTFT (``bench/scheduler.py``).
+            (attention), it gave ITL p99/p50 1.54x, 1.38x and 1.92x on a busy
+            machine (load 2.3-5.9; 10.9x, 12.9x and 10.6x with 0), at 3.6-6.6x
+            the arriving prompts' TTFT (``bench/scheduler.py``); not measured on
+            a quiet machine (where 1.5 without the attention term gave 2.38x).
         async_scheduling: schedule step N+1 while the worker runs step N (vLLM v1's
             ``--async-scheduling``): every decoding request is assumed to get one
             more token, the worker feeds step N+1 from its own step-N samples, and
