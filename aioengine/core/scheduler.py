@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from aioengine.config import SchedulerConfig
 from aioengine.core.block_pool import KVCacheBlock
 from aioengine.core.kv_cache_manager import KVCacheManager
-from aioengine.core.step_cost import StepCostModel
+from aioengine.core.step_cost import StepCostModel, prefill_context
 from aioengine.errors import SchedulerQueueFull
 from aioengine.ipc.messages import (
     CachedRequestData,
@@ -273,27 +273,32 @@ class Scheduler:
         while requests decode, as many as keep the step's predicted time
         (``StepCostModel``) within the ratio of a decode-only step's, that step
         counting the requests still to be prefilled as decode rows too (they
-        join the streams: a burst is admitted in a few steps), at least one KV
-        block so prompts progress; otherwise, or before the worker's step times
-        allow a prediction, ``max_num_batched_tokens``."""
+        join the streams: a burst is admitted in a few steps), the chunk charged
+        the attention to the longest prefix of a prompt under way (a later chunk
+        of a long prompt is shorter), at least one KV block so prompts progress;
+        otherwise, or before the worker's step times allow a prediction,
+        ``max_num_batched_tokens``."""
         budget = self.config.max_num_batched_tokens
         ratio = self.config.chunked_prefill_itl_ratio
         if not ratio or not self.config.enable_chunked_prefill:
             return budget
-        num_decodes = num_prefilling = 0
+        num_decodes = num_prefilling = prefix = 0
         for r in self.running:
             ahead = self._num_tokens_ahead(r) - r.num_computed_tokens
             if ahead == 1 and not self._ends_in_flight(r):
                 num_decodes += 1
             elif ahead > 1:
                 num_prefilling += 1
+                prefix = max(prefix, r.num_computed_tokens)
         # Requests still to be prefilled (running a chunk, or waiting) will decode
         # beside these rows: the reference step is theirs together (a burst).
         joining = min(
             num_prefilling + len(self.waiting), max(0, self.config.max_num_seqs - num_decodes)
         )
         cap = (
-            self.step_cost.max_prefill_tokens(num_decodes, ratio, joining) if num_decodes else None
+            self.step_cost.max_prefill_tokens(num_decodes, ratio, joining, prefix)
+            if num_decodes
+            else None
         )
         if cap is None:
             return budget
@@ -303,16 +308,24 @@ class Scheduler:
         """Feed the step's shape and the worker's time to ``step_cost``: a request
         given one token (plus drafts) is a decode row, longer ones prompt chunks."""
         drafts = output.scheduled_spec_decode_tokens
-        num_decodes = num_prefill = 0
-        for req_id, num_new in zip(output.req_ids(), output.num_scheduled_tokens):
+        computed = [r.num_computed_tokens for r in output.scheduled_new_reqs] + [
+            r.num_computed_tokens for r in output.scheduled_cached_reqs
+        ]
+        num_decodes = num_prefill = context = 0
+        for req_id, num_new, before in zip(output.req_ids(), output.num_scheduled_tokens, computed):
             num_drafts = len(drafts.get(req_id, ()))
             if num_new - num_drafts == 1:
                 num_decodes += 1
                 num_prefill += num_drafts
+                context += prefill_context(before + 1, num_drafts)
             else:
                 num_prefill += num_new
+                context += prefill_context(before, num_new)
         self.step_cost.observe(
-            num_decodes, num_prefill, runner_output.forward_time + runner_output.sample_time
+            num_decodes,
+            num_prefill,
+            runner_output.forward_time + runner_output.sample_time,
+            context,
         )
 
     def _schedule_running(self, step: _StepBuilder) -> None:

@@ -12,27 +12,36 @@ with a fixed ``chunked_prefill_size``; a fixed cap is right for one machine
 and one model only, so this one is derived from the worker's measured step
 times and holds wherever the engine runs.
 
-The estimate is linear in the step's shape (the worker's time: forward plus
-sampling, ``ModelRunnerOutput``)::
+The estimate is linear in the step's shape and its prompt chunks' attention
+(the worker's time: forward plus sampling, ``ModelRunnerOutput``)::
 
-    t(D, P) = a + b * D + c * P
+    t(D, P, K) = a + b * D + c * P + e * K
 
 ``D``: decode rows (requests given their next token, with any drafts), ``P``:
-prefill tokens (prompt chunks, recomputation after a preemption, drafts).
+prefill tokens (prompt chunks, recomputation after a preemption, drafts),
+``K``: the prefill tokens' context, summed (a chunk of ``n`` tokens after
+``s`` computed ones attends to ``s + 1 .. s + n`` keys: ``n * s + n (n + 1) / 2``,
+``prefill_context``). Causal attention makes a chunk's cost grow with its
+prefix (the FLOPs of Vaswani et al. 2017, §4, Table 1: ``O(n * d)`` per token
+attending to ``n`` keys), so the later chunks of a long prompt cost more than
+its first one of as many tokens; a model in ``P`` alone fits their mean and
+under-predicts the last chunks, which set the ITL's p99.
 ``a`` and ``b`` are the least-squares line through the last ``window``
-decode-only steps, ``c`` the least-squares slope through the origin of the
-last ``window`` prefill steps' time beyond ``a + b * D``. Decode-only and
-prefill steps are kept apart so a long run of either does not push the other
-out of the window. A mixed step may also pay a cost per step (where the
-model runs prompt chunks on a slower path than decode rows; on the CPU the
-fused C++ layers take both), which the slope through the origin charges to
-its tokens: at a steady chunk size that is exact, and the cap settles where
-the step's whole time meets the ratio; the slope is fitted to mixed steps
-only once there are any. Where the decode-only steps cannot place the
-line (all of one batch size, or a fit with a negative part) it goes through
-the origin (``a = 0``): that errs toward a smaller cap, never a longer step,
-as it charges the intercept of a prefill-only step to its tokens and predicts
-less time, not more, for a smaller batch.
+decode-only steps; ``c`` and ``e`` the least-squares fit through the origin of
+the last ``window`` prefill steps' time beyond ``a + b * D``, where both come out
+positive and the steps tell them apart; otherwise (chunks all of one size at
+one offset, or noise) ``e = 0`` and ``c`` the slope alone, the linear model.
+Decode-only and prefill steps are kept apart so a long run of either does not
+push the other out of the window. A mixed step may also pay a cost per step
+(where the model runs prompt chunks on a slower path than decode rows; on the
+CPU the fused C++ layers take both), which the slope through the origin
+charges to its tokens: at a steady chunk size that is exact, and the cap
+settles where the step's whole time meets the ratio; the slopes are fitted to
+mixed steps only once there are any. Where the decode-only steps cannot place
+the line (all of one batch size, or a fit with a negative part) it goes
+through the origin (``a = 0``): that errs toward a smaller cap, never a longer
+step, as it charges the intercept of a prefill-only step to its tokens and
+predicts less time, not more, for a smaller batch.
 """
 
 from __future__ import annotations
@@ -42,10 +51,25 @@ from collections import deque
 
 # Below this many samples of each kind the estimate is not trusted (None).
 MIN_SAMPLES = 1
+# The prefill steps' (P, K) tell ``c`` from ``e`` only when their correlation is
+# below 1 by more than this (relative determinant of the normal equations):
+# chunks all of one size at one offset do not.
+RANK_TOLERANCE = 1e-6
+# A prefill token always costs something: the floor of ``c`` keeps the cap finite
+# when noise (a shared machine) makes the slope come out at or below 0.
+MIN_TOKEN_COST = 1e-9
+
+
+def prefill_context(num_computed: int, num_new: int) -> int:
+    """Keys a chunk's queries attend to, summed (causal attention): ``num_new``
+    tokens after ``num_computed`` ones, token ``j`` attending to ``j + 1`` keys:
+    ``num_new * num_computed + num_new * (num_new + 1) / 2``."""
+    return num_new * num_computed + num_new * (num_new + 1) // 2
 
 
 class StepCostModel:
-    """Running estimate of a step's time from its decode rows and prefill tokens.
+    """Running estimate of a step's time from its decode rows, prefill tokens
+    and the prefill tokens' attention context.
 
     Args:
         window: steps of each kind (decode-only, with prefill) the fit uses.
@@ -58,32 +82,45 @@ class StepCostModel:
         if window < MIN_SAMPLES:
             raise ValueError(f"window must be >= {MIN_SAMPLES}, got {window}")
         self._decode_steps: deque[tuple[int, float]] = deque(maxlen=window)
-        self._prefill_steps: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self._fit: tuple[float, float, float] | None = None
+        self._prefill_steps: deque[tuple[int, int, int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float, float, float] | None = None
+        self._slope = MIN_TOKEN_COST  # the linear model's c (e = 0), same steps
         self._stale = False
 
-    def observe(self, num_decode_rows: int, num_prefill_tokens: int, step_time: float) -> None:
-        """Record one step the worker ran: its shape and its time in seconds. A time
-        that is not a positive finite number (no time reported, a clock that went
-        back, NaN or inf from a worker) is ignored: one would poison the window's
-        fit, and the scheduler's cap with it, for ``window`` steps."""
+    def observe(
+        self,
+        num_decode_rows: int,
+        num_prefill_tokens: int,
+        step_time: float,
+        context: int | None = None,
+    ) -> None:
+        """Record one step the worker ran: its shape and its time in seconds.
+        ``context``: its prefill tokens' attention context, summed
+        (``prefill_context`` over its chunks; None: chunks at offset 0, one per
+        step). A time that is not a positive finite number (no time reported, a
+        clock that went back, NaN or inf from a worker) is ignored: one would
+        poison the window's fit, and the scheduler's cap with it, for ``window``
+        steps."""
         if not 0 < step_time < math.inf or num_decode_rows + num_prefill_tokens <= 0:
             return  # an empty step, or a worker that reports no usable time
         if num_prefill_tokens:
-            self._prefill_steps.append((num_decode_rows, num_prefill_tokens, step_time))
+            if context is None:
+                context = prefill_context(0, num_prefill_tokens)
+            self._prefill_steps.append((num_decode_rows, num_prefill_tokens, context, step_time))
         else:
             self._decode_steps.append((num_decode_rows, step_time))
         self._stale = True
 
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """``(a, b, c)`` in seconds, seconds per decode row, seconds per prefill
-        token; None until ``MIN_SAMPLES`` steps of each kind were observed."""
+    def coefficients(self) -> tuple[float, float, float, float] | None:
+        """``(a, b, c, e)`` in seconds, seconds per decode row, seconds per
+        prefill token, seconds per attended key of a prefill token; None until
+        ``MIN_SAMPLES`` steps of each kind were observed."""
         if self._stale:
             self._fit = self._refit()
             self._stale = False
         return self._fit
 
-    def _refit(self) -> tuple[float, float, float] | None:
+    def _refit(self) -> tuple[float, float, float, float] | None:
         if len(self._decode_steps) < MIN_SAMPLES or len(self._prefill_steps) < MIN_SAMPLES:
             return None
         n = len(self._decode_steps)
@@ -100,12 +137,10 @@ class StepCostModel:
         # whose prompt chunks take a slower path). Prefill-only steps count only
         # while no mixed step is known.
         steps = [s for s in self._prefill_steps if s[0] > 0] or self._prefill_steps
-        num = sum(p * (t - a - b * d) for d, p, t in steps)
-        den = sum(p * p for _, p, _ in steps)
-        # A prefill token always costs something; the floor keeps the cap finite
-        # when noise (a shared machine) makes the slope come out at or below 0.
-        c = max(num / den, 1e-9)
-        return a, b, c
+        rows = [(p, k, t - a - b * d) for d, p, k, t in steps]
+        c, e = _nonnegative_fit(rows)
+        self._slope = _nonnegative_fit([(p, 0, r) for p, _, r in rows])[0]
+        return a, b, c, e
 
     def decode_step_time(self, num_decode_rows: int) -> float | None:
         """Predicted time of a step of ``num_decode_rows`` decodes and no
@@ -113,11 +148,12 @@ class StepCostModel:
         fit = self.coefficients()
         if fit is None:
             return None
-        a, b, _ = fit
+        a, b, _, _ = fit
         return max(a + b * num_decode_rows, 0.0)
 
-    def max_prefill_tokens(self, num_decode_rows: int, itl_ratio: float,
-                           num_joining: int = 0) -> int | None:
+    def max_prefill_tokens(
+        self, num_decode_rows: int, itl_ratio: float, num_joining: int = 0, num_computed: int = 0
+    ) -> int | None:
         """Most prefill tokens a step with ``num_decode_rows`` decodes may carry
         so that its predicted time is at most ``itl_ratio`` times the
         decode-only step's (``itl_ratio > 1``); None while the estimate is not
@@ -128,10 +164,48 @@ class StepCostModel:
         step of ``num_decode_rows + num_joining`` rows, the streams' ITL once they
         have joined: a burst of short prompts beside a few decoding requests is
         admitted in a few steps, not one block a step, while one long prompt
-        arriving beside many streams is capped as before."""
+        arriving beside many streams is capped as before.
+
+        ``num_computed``: the prompt tokens before the chunk (its prefix); the
+        chunk is charged as one chunk after that many tokens, so a later chunk
+        of a long prompt is shorter than its first (the largest root ``n`` of
+        ``c * n + e * prefill_context(num_computed, n) = budget``), and none is
+        longer than the linear model's (``e = 0``, its ``c`` fitted to the same
+        steps) would be."""
         decode_time = self.decode_step_time(num_decode_rows)
         joined_time = self.decode_step_time(num_decode_rows + num_joining)
         fit = self.coefficients()
         if decode_time is None or joined_time is None or fit is None:
             return None
-        return max(0, int((itl_ratio * joined_time - decode_time) / fit[2]))
+        _, _, c, e = fit
+        budget = itl_ratio * joined_time - decode_time
+        if budget <= 0:
+            return 0
+        # (e / 2) n^2 + (c + e (s + 1/2)) n - budget = 0, in its cancellation-free form.
+        linear = c + e * (num_computed + 0.5)
+        cap = 2 * budget / (linear + math.sqrt(linear * linear + 2 * e * budget))
+        # Never above the linear model's cap (the tokens' slope alone, fitted to the
+        # same steps): where the pair extrapolates to a short prefix from noisy
+        # steps, the first chunk is not let grow past the chunks of the linear fit.
+        return max(0, int(min(cap, budget / self._slope)))
+
+
+def _nonnegative_fit(rows: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """``(c, e)`` minimizing ``sum (r - c * p - e * k)^2`` over ``(p, k, r)``: the
+    least-squares pair where both parts come out positive and the rows tell the
+    columns apart; else the tokens' slope alone (``e = 0``, the linear model). A
+    fit of ``e`` alone (``c = 0``) is not taken: it would let a prompt's first
+    chunk (no prefix) grow to ``sqrt(2 budget / e)`` tokens on the strength of
+    noise. ``c`` is floored at ``MIN_TOKEN_COST``."""
+    spp = sum(p * p for p, _, _ in rows)
+    skk = sum(float(k) * k for _, k, _ in rows)
+    spk = sum(float(p) * k for p, k, _ in rows)
+    spr = sum(p * r for p, _, r in rows)
+    skr = sum(k * r for _, k, r in rows)
+    det = spp * skk - spk * spk
+    if det > RANK_TOLERANCE * spp * skk:
+        c = (skk * spr - spk * skr) / det
+        e = (spp * skr - spk * spr) / det
+        if c > 0 and e >= 0:
+            return c, e
+    return max(spr / spp, MIN_TOKEN_COST), 0.0

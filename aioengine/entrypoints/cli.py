@@ -69,7 +69,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false", help="turn automatic prefix caching off")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", help="turn chunked prefill off")
-    g.add_argument("--chunked-prefill-itl-ratio", type=float, default=0.0, metavar="RATIO",
+    g.add_argument("--chunked-prefill-itl-ratio", type=float, default=1.5, metavar="RATIO",
                    help="while requests decode, cap a step's prefill tokens so the step is "
                         "predicted (from measured step times) to take at most RATIO times a "
                         "decode-only step: decoding streams' ITL grows to at most RATIO times "
