@@ -3,7 +3,7 @@
 #   1. pytest -m gpu: CUDA graph replay = eager and greedy = HF transformers on the
 #      device (tests/test_cuda_graphs.py), the Triton kernels against the torch reference
 #      (tests/test_triton_kernels.py, test_quant_triton.py, test_copy_blocks.py);
-#   2. bench/kernels.py: paged decode attention and the dequantizing matmul;
+#   2. bench/gpu_kernels.py: paged decode attention and the dequantizing matmul;
 #   3. bench/gpu_decode.py: decode steps with CUDA graphs on and off.
 # Results go to $OUT when it is set (the device machine's return folder), else
 # bench/results/gpu_check; each step's log beside them. Exit status: pytest's.
@@ -65,9 +65,9 @@ timeout 270 "$PY" -m pytest -q -m gpu -p no:cacheprovider $workers -o addopts=""
   tests/test_quant_triton.py tests/test_copy_blocks.py 2>&1 | tee "$RESULTS/pytest.log"
 status=${PIPESTATUS[0]}
 
-echo "== 2. bench/kernels.py"
-timeout 40 "$PY" bench/kernels.py --batches 1,16,64 --contexts 512,4096 --out "$RESULTS"
-timeout 40 "$PY" bench/kernels.py --quantized --formats Q4_1,Q8_0 --rows 1,16,64 \
+echo "== 2. bench/gpu_kernels.py"
+timeout 40 "$PY" bench/gpu_kernels.py --batches 1,16,64 --contexts 512,4096 --out "$RESULTS"
+timeout 40 "$PY" bench/gpu_kernels.py --quantized --formats Q4_1,Q8_0 --rows 1,16,64 \
   --weight-shapes 576x576,3072x576,576x1536,49152x576 --dtype bfloat16 --out "$RESULTS"
 
 echo "== 3. bench/gpu_decode.py (CUDA graphs on / off)"

@@ -8,6 +8,7 @@ serving.py and scheduler.py reuse the session's test server (``--url``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -99,6 +100,17 @@ def test_hf_static_batch_latency_for_serving_streams_waits_for_the_running_batch
 
 
 # -- the scripts -------------------------------------------------------------------------------
+
+
+def test_no_bench_script_shadows_an_installed_module() -> None:
+    """``python bench/X.py`` puts bench/ first on sys.path, so a script named like an
+    installed module hides it from every import in that run: transformers 5.25 imports
+    the ``kernels`` package, and bench/kernels.py broke every bench script that loads HF."""
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    for script in sorted(bench.glob("*.py")):
+        found = importlib.util.find_spec(script.stem)
+        assert found is None or Path(found.origin or "").parent == bench, (
+            f"bench/{script.name} shadows the installed module {found.origin}")
 
 
 @pytest.mark.slow

@@ -30,9 +30,9 @@ With ``--quantized``, the dequantizing matmul instead
   fraction of peak memory bandwidth (the bound that matters for decode);
 - ``max_err``: max |fused - F.linear on the dequantized weight| / max |reference|.
 
-Usage: python bench/kernels.py [--batches 1,4,16,64,256] [--contexts 512,...,32768]
+Usage: python bench/gpu_kernels.py [--batches 1,4,16,64,256] [--contexts 512,...,32768]
        [--num-heads 32 --num-kv-heads 8 --head-dim 128] [--dtype bfloat16]
-       python bench/kernels.py --quantized [--formats Q4_K,Q8_0,...] [--rows 1,16,256]
+       python bench/gpu_kernels.py --quantized [--formats Q4_K,Q8_0,...] [--rows 1,16,256]
        [--weight-shapes 4096x4096,14336x4096]
 Prints a table; writes bench/results/kernels.json and bench/results/kernels.png
 (``--quantized``: bench/results/kernels_quantized.json).
@@ -294,7 +294,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         what = ("the quantized Triton matmul" if args.quantized
                 else "the Triton decode kernel")
-        sys.exit(f"bench/kernels.py measures {what} and needs a CUDA GPU; "
+        sys.exit(f"bench/gpu_kernels.py measures {what} and needs a CUDA GPU; "
                  "torch.cuda.is_available() is False on this machine.")
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
