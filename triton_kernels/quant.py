@@ -174,8 +174,11 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
-def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
-    """The C++ path, or None where it does not apply."""
+def _cpu_kernel_operands(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
+    """``(ops, parts, qtypes, cols, rows)`` for the C++ quantized kernels, or None where
+    they do not apply: activations other than fp32 CPU or needing gradients, a bias
+    that is not a plain fp32 CPU vector, no C++ build, a weight it cannot take, or
+    ``cols``/bias length not matching ``x``."""
     if (x.dtype != torch.float32 or x.device.type != "cpu"
             or (x.requires_grad and torch.is_grad_enabled())):
         return None
@@ -188,8 +191,17 @@ def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
         return None
     parts, qtypes, cols = spec
     rows = sum(p.shape[0] for p in parts)
-    if cols != x.shape[-1] or cols == 0 or (bias is not None and bias.shape[0] != rows):
+    if cols != x.shape[-1] or (bias is not None and bias.shape[0] != rows):
+        return None
+    return ops, parts, qtypes, cols, rows
+
+
+def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
+    """The C++ path, or None where it does not apply."""
+    kernel = _cpu_kernel_operands(x, weight, bias)
+    if kernel is None or kernel[3] == 0:
         return None  # let the torch path raise its usual shape error
+    ops, parts, qtypes, cols, rows = kernel
     x2 = x if x.dim() == 2 else x.reshape(-1, cols)
     if x2.stride(-1) != 1 or x2.is_neg():
         x2 = x2.contiguous()
@@ -216,21 +228,12 @@ def argmax_linear(x: torch.Tensor, weight: Weight,
         another dtype or device, activations that need gradients, no C++ build, shapes
         that do not fit): the caller computes the logits instead.
     """
-    if (isinstance(weight, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0
-            or x.dtype != torch.float32 or x.device.type != "cpu"
-            or (x.requires_grad and torch.is_grad_enabled())):
+    if isinstance(weight, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0:
         return None
-    if bias is not None and not (bias.dtype == torch.float32 and bias.device.type == "cpu"
-                                 and bias.dim() == 1 and not bias.requires_grad):
+    kernel = _cpu_kernel_operands(x, weight, bias)
+    if kernel is None or kernel[4] == 0:
         return None
-    ops = cpu_ops.load()
-    spec = cpu_ops.weight_parts(weight) if ops is not None else None
-    if spec is None:
-        return None
-    parts, qtypes, cols = spec
-    rows = sum(p.shape[0] for p in parts)
-    if cols != x.shape[1] or rows == 0 or (bias is not None and bias.shape[0] != rows):
-        return None
+    ops, parts, qtypes, cols, _ = kernel
     if x.stride(-1) != 1 or x.is_neg():
         x = x.contiguous()
     return ops.quant_linear_argmax(x, parts, qtypes, cols,
