@@ -7,35 +7,47 @@
 namespace aioengine {
 namespace {
 
+// The operands DecodeAttention and PrefillAttention share (attention.h): pointers and
+// strides of the query [T, H, D], the paged caches [blocks, block_size, KVH, D] and the
+// output, the block table and lengths of each sequence, head counts and the scale.
+template <typename scalar_t, typename cache_t, typename Kernel>
+void set_paged_operands(Kernel* a, const at::Tensor& out, const at::Tensor& query,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        double scale) {
+  a->q = query.data_ptr<scalar_t>();
+  a->qs = query.stride(0);
+  a->qh = query.stride(1);
+  a->k = key_cache.data_ptr<cache_t>();
+  a->kb = key_cache.stride(0);
+  a->kt = key_cache.stride(1);
+  a->kh = key_cache.stride(2);
+  a->v = value_cache.data_ptr<cache_t>();
+  a->vb = value_cache.stride(0);
+  a->vt = value_cache.stride(1);
+  a->vh = value_cache.stride(2);
+  a->out = out.data_ptr<scalar_t>();
+  a->os = out.stride(0);
+  a->oh = out.stride(1);
+  a->block_tables = block_tables.data_ptr<int32_t>();
+  a->max_blocks = block_tables.size(1);
+  a->seq_lens = seq_lens.data_ptr<int32_t>();
+  a->num_heads = query.size(1);
+  a->num_kv_heads = key_cache.size(2);
+  a->head_dim = query.size(2);
+  a->block_size = key_cache.size(1);
+  a->scale = static_cast<float>(scale);
+}
+
 template <typename scalar_t, typename cache_t = scalar_t>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            double scale, bool portable) {
   DecodeAttention<scalar_t, cache_t> a;
-  a.q = query.data_ptr<scalar_t>();
-  a.qs = query.stride(0);
-  a.qh = query.stride(1);
-  a.k = key_cache.data_ptr<cache_t>();
-  a.kb = key_cache.stride(0);
-  a.kt = key_cache.stride(1);
-  a.kh = key_cache.stride(2);
-  a.v = value_cache.data_ptr<cache_t>();
-  a.vb = value_cache.stride(0);
-  a.vt = value_cache.stride(1);
-  a.vh = value_cache.stride(2);
-  a.out = out.data_ptr<scalar_t>();
-  a.os = out.stride(0);
-  a.oh = out.stride(1);
-  a.block_tables = block_tables.data_ptr<int32_t>();
-  a.max_blocks = block_tables.size(1);
-  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  set_paged_operands<scalar_t, cache_t>(&a, out, query, key_cache, value_cache, block_tables,
+                                        seq_lens, scale);
   a.num_seqs = query.size(0);
-  a.num_heads = query.size(1);
-  a.num_kv_heads = key_cache.size(2);
-  a.head_dim = query.size(2);
-  a.block_size = key_cache.size(1);
-  a.scale = static_cast<float>(scale);
   decode_attention_run(a, portable);
 }
 
@@ -93,31 +105,11 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const at::
   std::vector<int32_t> seqs(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) seqs[s] = static_cast<int32_t>(s);
   PrefillAttention<cache_t> a;
-  a.q = query.data_ptr<float>();
-  a.qs = query.stride(0);
-  a.qh = query.stride(1);
-  a.k = key_cache.data_ptr<cache_t>();
-  a.kb = key_cache.stride(0);
-  a.kt = key_cache.stride(1);
-  a.kh = key_cache.stride(2);
-  a.v = value_cache.data_ptr<cache_t>();
-  a.vb = value_cache.stride(0);
-  a.vt = value_cache.stride(1);
-  a.vh = value_cache.stride(2);
-  a.out = out.data_ptr<float>();
-  a.os = out.stride(0);
-  a.oh = out.stride(1);
-  a.block_tables = block_tables.data_ptr<int32_t>();
-  a.max_blocks = block_tables.size(1);
-  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  set_paged_operands<float, cache_t>(&a, out, query, key_cache, value_cache, block_tables,
+                                     seq_lens, scale);
   a.query_start = query_start_loc.data_ptr<int32_t>();
   a.seqs = seqs.data();
   a.num_run = num_seqs;
-  a.num_heads = query.size(1);
-  a.num_kv_heads = key_cache.size(2);
-  a.head_dim = query.size(2);
-  a.block_size = key_cache.size(1);
-  a.scale = static_cast<float>(scale);
   a.window = window;
   a.softcap = static_cast<float>(softcap);
   prefill_attention_run(a, portable);
