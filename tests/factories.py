@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from typing import Any
 
@@ -173,6 +174,15 @@ def greedy_output(prompt_token_ids: list[int], max_tokens: int) -> list[int]:
 
 
 _request_ids = itertools.count()
+
+
+def distinct_prompt(request_id: str, length: int) -> list[int]:
+    """``length`` token ids drawn from a generator seeded by ``request_id``: the same
+    every run (unlike ``hash(str)``, which ``PYTHONHASHSEED`` changes), and two ids
+    share no 16-token block in practice, so the prefix cache never turns one
+    request's prompt into another's hit by chance."""
+    rng = random.Random(request_id)
+    return [rng.randrange(10, 40_000) for _ in range(length)]
 
 
 def make_request(

@@ -18,6 +18,7 @@ from aioengine.core.scheduler import Scheduler, SchedulerQueueFull
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata
 from aioengine.request import Request
 from aioengine.sampling_params import SamplingParams
+from tests.factories import distinct_prompt
 
 BS = 16
 
@@ -39,7 +40,7 @@ class Harness:
 
     def add(self, rid: str, prompt_len: int, max_tokens: int, priority: int = 0,
             arrival: float | None = None) -> Request:
-        prompt = [(hash(rid) + i) % 5000 + 10 for i in range(prompt_len)]
+        prompt = distinct_prompt(rid, prompt_len)
         r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                     max_tokens, None, priority, arrival)
         self.sched.add_request(r)

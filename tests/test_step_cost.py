@@ -21,6 +21,7 @@ from aioengine.core.step_cost import StepCostModel, prefill_context
 from aioengine.ipc.messages import ModelRunnerOutput, SamplingMetadata
 from aioengine.request import Request
 from aioengine.sampling_params import SamplingParams
+from tests.factories import distinct_prompt
 
 BS = 16
 A, B, C = 0.005, 0.0015, 0.00025  # seconds; per decode row; per prefill token
@@ -84,7 +85,7 @@ class TimedHarness:
 
     def add(self, rid: str, prompt: list[int] | int, max_tokens: int) -> Request:
         if isinstance(prompt, int):
-            prompt = [(hash(rid) + i) % 5000 + 10 for i in range(prompt)]
+            prompt = distinct_prompt(rid, prompt)
         r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                     max_tokens, None, 0, None)
         self.sched.add_request(r)
