@@ -344,3 +344,124 @@ def test_logprobs_only_for_the_rows_that_ask():
     assert tokens.tolist() == [2, 0] and lps[0] is None
     raw = logits[1].log_softmax(-1)
     assert lps[1][0] == (0, lps[1][1][1]) and abs(lps[1][0][1] - raw[0].item()) < 1e-6
+
+
+def _kept_distribution(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                       min_p: float) -> torch.Tensor:
+    """The filtered distribution of one row, straight from the definitions in fp64 with a
+    full sort (vLLM's order: temperature, min-p, top-k, then top-p over what is left,
+    ties with the last kept token kept): ``[vocab]`` probabilities, 0 outside the kept set."""
+    probs = (row.double() / temperature).softmax(-1)
+    keep = probs >= min_p * probs.max()
+    if 0 < top_k < row.numel():
+        kth = probs.masked_fill(~keep, 0).sort(descending=True).values[top_k - 1]
+        keep &= probs >= kth
+    if top_p < 1.0:
+        kept = probs.masked_fill(~keep, 0)
+        desc = kept.sort(descending=True).values
+        cum = desc.cumsum(0)
+        cut = int((cum < top_p * cum[-1]).sum())
+        keep &= probs >= desc[cut]
+    out = probs.masked_fill(~keep, 0)
+    return out / out.sum()
+
+
+def _cdf_midpoint_draws(impl, row: torch.Tensor, settings: tuple, expected: torch.Tensor
+                        ) -> None:
+    """Inverse transform sampling picks token j exactly when u falls in its interval of the
+    kept set's cumulative distribution (vocabulary order): a u at the middle of each kept
+    token's interval must give that token, and a fine grid of u only kept tokens. Tokens
+    whose interval is under 1e-6 wide are skipped (fp32 rounding of the sums)."""
+    temperature, top_k, top_p, min_p = settings
+    cdf = expected.cumsum(0)
+    ids = torch.nonzero(expected > 1e-6).squeeze(1)
+    mids = (cdf[ids] - expected[ids] / 2).clamp(0.0, 1.0 - 1e-12)
+    grid = (torch.arange(2000, dtype=torch.float64) + 0.5) / 2000
+    uniforms = torch.cat([mids, grid])
+    n = uniforms.numel()
+    tokens = impl(row.unsqueeze(0), torch.zeros(n, dtype=torch.int64),
+                  torch.full((n,), float(temperature)), torch.full((n,), top_k),
+                  torch.full((n,), float(top_p)), torch.full((n,), float(min_p)), uniforms)
+    assert tokens[:ids.numel()].tolist() == ids.tolist(), (impl, settings)
+    assert bool((expected[tokens[ids.numel():]] > 0).all()), (impl, settings)
+
+
+def _distribution_cases() -> list[tuple[str, torch.Tensor, tuple]]:
+    gen = torch.Generator().manual_seed(5)
+    small = torch.randn(1000, generator=gen).mul(3 * 64).round() / 64
+    # On a 1/64 grid: distinct logits stay distinct in fp32 probabilities (49,152 random
+    # reals have neighbours closer than fp32 resolves: a tie in fp32, not in fp64).
+    wide = torch.randn(49_152, generator=gen).mul(2.5 * 64).round() / 64
+    peaked = wide.clone()
+    peaked[:40] += 12.0
+    cases = [("top-p", small, (0.8, 0, 0.95, 0.0)), ("top-p 1.0", small, (0.8, 0, 1.0, 0.0)),
+             ("top-k 1", small, (1.0, 1, 1.0, 0.0)), ("top-k > vocab", small, (1.0, 1005, 1.0, 0.0)),
+             ("top-k 50 + top-p", small, (0.7, 50, 0.9, 0.0)), ("min-p", small, (1.0, 0, 1.0, 0.1)),
+             ("min-p + top-k + top-p", small, (1.2, 300, 0.8, 0.02)),
+             ("tiny temperature", small, (1e-3, 0, 0.95, 0.0)),
+             ("large temperature", small, (50.0, 0, 0.9, 0.0)),
+             ("wide top-p", wide, (0.8, 0, 0.95, 0.0)), ("wide top-k 1000", wide, (1.0, 1000, 1.0, 0.0)),
+             ("peaked top-p", peaked, (0.8, 0, 0.95, 0.0))]
+    # Ties at the top-p boundary: integer logits, top-p set to the middle of a tie group's
+    # mass, so the cut falls inside the group and every token of it must be kept.
+    ties = torch.randn(1000, generator=gen).mul(2).round()
+    probs = ties.double().softmax(-1)
+    values = probs.unique().flip(0)
+    group = values[3]
+    above = probs[probs > group].sum()
+    top_p = float(above + (probs == group).sum() * group / 2)
+    assert int((probs == group).sum()) > 10
+    cases.append(("ties at the top-p boundary", ties, (1.0, 0, top_p, 0.0)))
+    cases.append(("ties at the top-k boundary", ties, (1.0, int((probs > group).sum()) + 2, 1.0, 0.0)))
+    return cases
+
+
+def test_kept_set_and_probabilities_equal_the_definition():
+    """The C++ kernel and its torch twin draw from exactly the distribution the filters
+    define (a straightforward fp64 full-sort implementation here): the same kept set,
+    every kept token where its cumulative interval says, nothing else; for top-p only,
+    top-p 1.0, top-k 1, top-k above the vocabulary, top-k with top-p, min-p, all three,
+    temperatures 1e-3 and 50, 49,152-token rows (flat and peaked) and ties at the top-p
+    and top-k boundaries."""
+    for name, row, settings in _distribution_cases():
+        expected = _kept_distribution(row, *settings)
+        if name.startswith("ties at the top-p"):
+            group = expected[expected > 0].min()
+            assert int((expected == group).sum()) > 10, name  # the whole tie group kept
+        if name == "top-k 1" or name == "tiny temperature":
+            assert int((expected > 0).sum()) == 1, name
+        # The twin gathers one row per uniform: the kernel alone on the wide rows.
+        impls = _implementations() if row.numel() <= 1000 else _implementations()[1:]
+        for impl in impls:
+            _cdf_midpoint_draws(impl, row, settings, expected)
+
+
+def test_kernel_rows_do_not_depend_on_order_duplicates_or_threads():
+    """Batch invariance inside the kernel: a row's token is the same whatever rows come
+    with it, in any order, duplicated, at 1 or 2 threads (threads take rows one by one)."""
+    from triton_kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None:
+        import pytest
+        pytest.skip("C++ kernels unavailable")
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(24, 49_152, generator=gen) * torch.linspace(0.5, 4.0, 24).unsqueeze(1)
+    n = 24
+    settings = (torch.rand(n, generator=gen) + 0.3,
+                torch.randint(0, 100, (n,), generator=gen) * (torch.arange(n) % 3 == 0),
+                torch.where(torch.arange(n) % 2 == 0, 0.9, 1.0),
+                torch.where(torch.arange(n) % 5 == 0, 0.05, 0.0),
+                torch.rand(n, dtype=torch.float64, generator=gen))
+    alone = [int(ops.sample_from_logits(logits, torch.tensor([i]),
+                                        *(s[i:i + 1] for s in settings))) for i in range(n)]
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            order = torch.randperm(n, generator=gen)
+            order = torch.cat([order, order[:7]])
+            out = ops.sample_from_logits(logits, order, *(s[order] for s in settings))
+            assert out.tolist() == [alone[i] for i in order.tolist()], t
+    finally:
+        torch.set_num_threads(threads)

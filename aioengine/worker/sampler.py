@@ -10,11 +10,13 @@ in vocabulary order, whose cumulative kept probability exceeds ``u``, with ONE
 uniform ``u`` per row per step from the request's own ``torch.Generator``. A
 seeded request therefore gives the same tokens alone or inside any batch, with
 any filters on the other rows. On a CPU the draw is the C++ kernel
-``triton_kernels/csrc/sampling.cpp`` (no sort of the vocabulary: about 2 ms of
-one core for 32 rows of 49,152 at temperature 0.8, top-p 0.95 on the default
-model's logits, where the exponential race over a partial sort it replaced took
-about 100 ms), elsewhere its torch twin ``triton_kernels.reference.sample_from_logits``.
-Seeded tokens changed with that switch (as vLLM's change between versions).
+``triton_kernels/csrc/sampling.cpp`` (no sort of the vocabulary: one exp pass and a
+sample select per filter; about 0.7 ms of one core for 32 rows of 49,152 at
+temperature 0.8, top-p 0.95 on the default model's logits after random prompts),
+elsewhere its torch twin ``triton_kernels.reference.sample_from_logits``.
+Seeded tokens changed with the switch to the kernel (as vLLM's change between versions),
+and in about 1 draw in 800 when its exp became an inline polynomial (a last-bit
+difference moving a boundary of the cumulative distribution).
 
 A step whose rows are all plain greedy (no logprobs, penalties, logit bias, min_tokens
 ban or grammar: ``model_runner.argmax_only``) never reaches this module: the LM head's
@@ -255,29 +257,40 @@ def row_uniforms(generators: list[torch.Generator]) -> torch.Tensor:
     return torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
 
 
-def draw_tokens(logits: torch.Tensor, rows: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def draw_tokens(logits: torch.Tensor, rows: torch.Tensor | None, batch: SamplingBatch
+                ) -> torch.Tensor:
     """Sample one token for each of ``rows`` of ``logits`` by temperature, min-p, top-k,
     top-p, then inverse transform sampling with one uniform from the row's generator
     (the rule in full: ``triton_kernels/csrc/sampling.h``).
 
     Args:
         logits: ``[num_reqs, vocab]`` fp32, read in place (not modified).
-        rows: ``[n]`` int64, the sampled rows.
+        rows: ``[n]`` int64, the sampled rows; None: every row, in order.
         batch: per-row settings of all ``num_reqs`` rows; ``need_*`` False turns a
             filter off for every row.
 
     Returns:
         ``[n]`` int64 token ids.
     """
-    temperature = batch.temperature[rows]
-    temperature = torch.where(temperature < 1e-5, 1.0, temperature)
+    if rows is None:
+        rows = torch.arange(logits.shape[0])
+        temperature, generators = batch.temperature, batch.generators
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t
+    else:
+        temperature = batch.temperature[rows]
+        generators = [batch.generators[i] for i in rows.tolist()]
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[rows]
     n = rows.shape[0]
-    top_k = batch.top_k[rows] if batch.need_top_k else torch.zeros(n, dtype=torch.int64)
-    top_p = batch.top_p[rows] if batch.need_top_p else torch.ones(n)
-    min_p = batch.min_p[rows] if batch.need_min_p else torch.zeros(n)
-    uniforms = row_uniforms([batch.generators[i] for i in rows.tolist()])
+    temperature = torch.where(temperature < 1e-5, 1.0, temperature)
+    top_k = pick(batch.top_k) if batch.need_top_k else torch.zeros(n, dtype=torch.int64)
+    top_p = pick(batch.top_p) if batch.need_top_p else torch.ones(n)
+    min_p = pick(batch.min_p) if batch.need_min_p else torch.zeros(n)
     return cpu_ops.sample_from_logits(logits, rows, temperature.float(), top_k.long(),
-                                      top_p.float(), min_p.float(), uniforms)
+                                      top_p.float(), min_p.float(), row_uniforms(generators))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch
@@ -315,10 +328,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch
 
     if batch.all_greedy:
         tokens = greedy_tokens(logits)
+    elif not any(batch.greedy):
+        tokens = draw_tokens(logits, None, batch).to(logits.device)
     else:
         sampled = [row for row, g in enumerate(batch.greedy) if not g]
-        tokens = (greedy_tokens(logits) if len(sampled) < len(batch.greedy)
-                  else torch.empty(len(batch.greedy), dtype=torch.int64))
+        tokens = greedy_tokens(logits)
         index = torch.tensor(sampled, dtype=torch.int64)
         tokens[index] = draw_tokens(logits, index, batch).to(tokens.device)
 

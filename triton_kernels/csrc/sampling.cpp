@@ -1,15 +1,17 @@
 // One-pass-per-step categorical sampling over the whole vocabulary (sampling.h).
 //
-// Per row: the max, then e[i] = exp((x[i] - max) / T) into a row buffer (the unnormalised
-// probabilities; the largest is 1). Each filter lowers to a threshold on e: min-p is
-// e >= min_p, top-k the k-th largest e, top-p the e at which the descending running mass
-// reaches top_p of the mass left. The k-th largest and the top-p cut are found by a
-// histogram select on e's float bits (a radix select's first digit: sign, exponent and
-// three mantissa bits, 2048 buckets), then a sort of the one bucket that holds the cut:
-// no sort of the vocabulary. For top-p, tokens below (1 - top_p) * mass / vocab cannot
-// be in the nucleus (all such tokens together hold less than 1 - top_p of it) and are not
-// histogrammed. The draw sums the kept e per 256-token block, finds the block where
-// u * total falls, and walks that block only. Sums are in fp64 between blocks.
+// Per row: the max, then one exp pass: e[i] = exp((x[i] - max) / T) into a row buffer (the
+// unnormalised probabilities; the largest is 1), the kept e summed per 256-token block, and
+// the candidates for top-k / top-p compacted. Each filter lowers to a threshold on e: min-p
+// is e >= min_p, top-k the k-th largest e, top-p the e at which the descending running
+// mass reaches top_p of the mass left. The k-th largest and the top-p cut are found by a
+// sample select over the candidates (select_descending: a few vectorised counting passes
+// over fewer candidates each time, a sort of the last few dozen), in fp64 masses: no sort
+// of the vocabulary. For top-p, tokens below (1 - top_p) * mass / vocab cannot be in the
+// nucleus (all such tokens together hold less than 1 - top_p of it) and are not
+// candidates; the mass of the blocks already seen bounds it during the exp pass. The draw
+// finds the block where u * total falls and walks that block only. Sums are in fp64
+// between blocks. Rows are independent: threads take them one at a time.
 
 #include "sampling.h"
 
