@@ -394,13 +394,17 @@ def _distribution_cases() -> list[tuple[str, torch.Tensor, tuple]]:
     wide = torch.randn(49_152, generator=gen).mul(2.5 * 64).round() / 64
     peaked = wide.clone()
     peaked[:40] += 12.0
-    cases = [("top-p", small, (0.8, 0, 0.95, 0.0)), ("top-p 1.0", small, (0.8, 0, 1.0, 0.0)),
-             ("top-k 1", small, (1.0, 1, 1.0, 0.0)), ("top-k > vocab", small, (1.0, 1005, 1.0, 0.0)),
-             ("top-k 50 + top-p", small, (0.7, 50, 0.9, 0.0)), ("min-p", small, (1.0, 0, 1.0, 0.1)),
+    cases = [("top-p", small, (0.8, 0, 0.95, 0.0)),
+             ("top-p 1.0", small, (0.8, 0, 1.0, 0.0)),
+             ("top-k 1", small, (1.0, 1, 1.0, 0.0)),
+             ("top-k > vocab", small, (1.0, 1005, 1.0, 0.0)),
+             ("top-k 50 + top-p", small, (0.7, 50, 0.9, 0.0)),
+             ("min-p", small, (1.0, 0, 1.0, 0.1)),
              ("min-p + top-k + top-p", small, (1.2, 300, 0.8, 0.02)),
              ("tiny temperature", small, (1e-3, 0, 0.95, 0.0)),
              ("large temperature", small, (50.0, 0, 0.9, 0.0)),
-             ("wide top-p", wide, (0.8, 0, 0.95, 0.0)), ("wide top-k 1000", wide, (1.0, 1000, 1.0, 0.0)),
+             ("wide top-p", wide, (0.8, 0, 0.95, 0.0)),
+             ("wide top-k 1000", wide, (1.0, 1000, 1.0, 0.0)),
              ("peaked top-p", peaked, (0.8, 0, 0.95, 0.0))]
     # Ties at the top-p boundary: integer logits, top-p set to the middle of a tie group's
     # mass, so the cut falls inside the group and every token of it must be kept.
@@ -412,7 +416,8 @@ def _distribution_cases() -> list[tuple[str, torch.Tensor, tuple]]:
     top_p = float(above + (probs == group).sum() * group / 2)
     assert int((probs == group).sum()) > 10
     cases.append(("ties at the top-p boundary", ties, (1.0, 0, top_p, 0.0)))
-    cases.append(("ties at the top-k boundary", ties, (1.0, int((probs > group).sum()) + 2, 1.0, 0.0)))
+    top_k = int((probs > group).sum()) + 2
+    cases.append(("ties at the top-k boundary", ties, (1.0, top_k, 1.0, 0.0)))
     return cases
 
 

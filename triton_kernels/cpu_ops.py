@@ -544,7 +544,7 @@ def sample_from_logits(logits: torch.Tensor, rows: torch.Tensor, temperature: to
     """One token per row of ``logits[rows]`` by temperature, min-p, top-k, top-p and inverse
     transform sampling with ``uniforms`` (``csrc/sampling.h``; its torch twin
     ``reference.sample_from_logits`` has the shapes). The C++ kernel for fp32 CPU logits
-    reads the rows in place: one exp pass and a histogram select per filter, no sort of
+    reads the rows in place: one exp pass and a sample select per filter, no sort of
     the vocabulary. Token ids may differ between the two paths where a uniform falls
     within rounding of a boundary of the cumulative distribution."""
     ops = _ops_for(logits.dtype)
