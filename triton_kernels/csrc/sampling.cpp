@@ -138,10 +138,12 @@ inline __m512 exp_ps(__m512 x) {
 // block_sums(e, n, t, sums)'s block sums (same lanes, same order, so the same floats),
 // and, when cand is not null, cand[0..*num_cand) = the e[i] >= the bound of i's block
 // (room for n + 16): max(bound, floor_per_mass * the fp64 mass of the blocks before).
-// *bound_max = the largest bound used. Returns block_sums' fp64 total.
+// *bound_max = the largest bound used. Returns block_sums' fp64 total. prefetch (or null):
+// the row this thread takes next, brought towards the core while exp computes (its max
+// pass would otherwise wait on memory).
 double exp_block_sums(const float* x, float* e, int64_t n, float m, float inv_t, float t,
                       float* sums, float bound, double floor_per_mass, float* cand,
-                      int64_t* num_cand, float* bound_max) {
+                      int64_t* num_cand, float* bound_max, const float* prefetch) {
   double total = 0.0;
   int64_t c = 0;
   for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
@@ -154,6 +156,7 @@ double exp_block_sums(const float* x, float* e, int64_t n, float m, float inv_t,
                  vlo = _mm512_set1_ps(lo), vmin = _mm512_set1_ps(kMinExpArg);
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= end; i += 16) {
+      if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i), _MM_HINT_T1);
       const __m512 arg = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm), vinv);
       const __mmask16 normal = _mm512_cmp_ps_mask(arg, vmin, _CMP_GE_OQ);
       const __m512 v = _mm512_maskz_mov_ps(normal, exp_ps(_mm512_maskz_mov_ps(normal, arg)));
@@ -169,6 +172,7 @@ double exp_block_sums(const float* x, float* e, int64_t n, float m, float inv_t,
     _mm512_store_ps(lanes, acc);
     for (int j = 0; j < 16; ++j) s += lanes[j];
 #else
+    (void)prefetch;
     exp_scaled(x + start, e + start, end - start, m, inv_t);
     s = block_sum(e + start, end - start, t);
     if (cand != nullptr) c += compact_at_least(e + start, end - start, lo, cand + c);
@@ -194,10 +198,10 @@ double exp_block_sums(const float* x, float* e, int64_t n, float m, float inv_t,
 // size below which a level sorts.
 constexpr int kThresholds = 5;
 constexpr int kSpread = 3;
-constexpr int kSample = 64;
+constexpr int kSample = 32;
 constexpr int64_t kSortBelow = 96;
 // Sample ranks of the thresholds around the estimated crossing.
-constexpr int kThresholdOffsets[kThresholds] = {-8, -3, 0, 3, 8};
+constexpr int kThresholdOffsets[kThresholds] = {-4, -2, 0, 2, 4};
 
 // ge[j] = the count (by_mass false) or fp64 mass (true) of the v[i] >= th[j], j < NT.
 template <int NT>
@@ -343,7 +347,7 @@ float select_descending(const float* src, int64_t c, float lo, bool by_mass, dou
 }
 
 int64_t sample_row(const float* x, int64_t n, float temperature, int64_t top_k, float top_p,
-                   float min_p, double u, RowScratch& s) {
+                   float min_p, double u, const float* prefetch, RowScratch& s) {
   const float m = row_max(x, n);
   if (std::isnan(m) || m == -std::numeric_limits<float>::infinity()) return 0;
   if (m == std::numeric_limits<float>::infinity()) return std::find(x, x + n, m) - x;
@@ -368,7 +372,7 @@ int64_t sample_row(const float* x, int64_t n, float temperature, int64_t top_k, 
   const float t_sums = t;
   float bound_max = t;
   double total = exp_block_sums(x, e, n, m, 1.f / temperature, t, s.sums.data(), bound,
-                                floor_per_mass, cand, &c, &bound_max);
+                                floor_per_mass, cand, &c, &bound_max, prefetch);
   if (cand == nullptr) bound_max = t;
   if (use_top_k) {
     const double k = static_cast<double>(top_k);
@@ -443,9 +447,10 @@ at::Tensor sample_from_logits(const at::Tensor& logits, const at::Tensor& rows,
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     RowScratch scratch;
-    for (int64_t i = next++; i < n; i = next++)
+    // A thread claims its next row before it samples this one, to prefetch it.
+    for (int64_t i = next++, following = next++; i < n; i = following, following = next++)
       o[i] = sample_row(x + r_ptr[i] * ld, vocab, t_ptr[i], k_ptr[i], p_ptr[i], mp_ptr[i],
-                        u_ptr[i], scratch);
+                        u_ptr[i], following < n ? x + r_ptr[following] * ld : nullptr, scratch);
   });
   return out;
 }
