@@ -84,6 +84,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_bf16_gemm", &aioengine::set_bf16_gemm, pybind11::arg("on"),
         "The AMX GEMM in bf16 (True, the default) or bf16 hi + lo, fp32-grade (False).");
   m.def("bf16_gemm", &aioengine::bf16_gemm);
+  m.def("set_amx_table_decode", &aioengine::set_amx_table_decode, pybind11::arg("on"),
+        "AMX A tiles of the 32-value formats from per-block bf16 tables (True, the default) "
+        "or via fp32 (False; the same tiles); returns the previous setting.");
   m.def("set_amx", &aioengine::set_amx, pybind11::arg("on"),
         "Let the best path be AMX (where the CPU has it); returns whether it now is.");
   m.def("quant_isa", [] { return static_cast<int>(aioengine::resolve_isa(-1)); },

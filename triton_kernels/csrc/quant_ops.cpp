@@ -689,9 +689,107 @@ void bf16_chunk(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t kc, 
   }
 }
 
+// Whether bf16_chunk_for gives the table decoders below (set_amx_table_decode).
+std::atomic<bool> bf16_chunk_lut_on{true};
+
+#if defined(__AVX512BW__)
+// The same A tiles as bf16_chunk for kBf16 (no lo half), with about a third of its
+// vector work: per row one 32-entry bf16 table of the block's values and one vpermw
+// (picking each value by its nibble) instead of converting 32 values to fp32 and back.
+// The table holds bf16(fp32 value) for every q, computed by the same fp32 operations
+// as block32, so the tiles are bit for bit those of bf16_chunk. The rows' fp16 scales
+// are gathered and converted 16 rows at a time, then broadcast from memory (no
+// shuffle-port work per row).
+
+// Word j of a block's nibble indices: byte j's low nibble (j < 16) or byte j - 16's high
+// nibble; for j < 16 only bits 0-4 count (vpermw), so the table's upper half repeats
+// its lower half (4-bit formats) or bit 4 is masked (Q5).
+inline __m512i nibble_words(const uint8_t* qs) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
+  return _mm512_srlv_epi16(bytes, _mm512_set_epi64(0x0004000400040004, 0x0004000400040004,
+                                                   0x0004000400040004, 0x0004000400040004,
+                                                   0, 0, 0, 0));
+}
+
+// fp32 scales of rows [0, rows) at byte `at` of their blocks (fp16, as all 32-value
+// formats store them), 16 rows a gather; rows past `rows` are 0.
+inline void gather_scales(const uint8_t* b, int64_t row_stride, int64_t rows, int at,
+                          float* out) {
+  const __m512i step = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(row_stride)));
+  for (int64_t r0 = 0; r0 < amx::kWeightRows; r0 += 16) {
+    const int64_t n = std::clamp<int64_t>(rows - r0, 0, 16);
+    const __mmask16 k = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    // 4-byte reads from the block's start: its scale(s) and quant bytes, all inside it
+    const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, step,
+                                                  b + r0 * row_stride, 1);
+    const __m512i h = at == 0 ? v : _mm512_srli_epi32(v, 16);
+    _mm512_store_ps(out + r0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+  }
+}
+
+template <int QT, int TS>
+void bf16_chunk_lut(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t kc,
+                    uint16_t* hi, uint16_t* lo) {
+  if (lo != nullptr) return bf16_chunk<QT, TS>(w, row_stride, rows, kc, hi, lo);
+  const uint8_t* b = w + kc * TS;
+  alignas(64) float d[amx::kWeightRows], m[amx::kWeightRows];
+  gather_scales(b, row_stride, rows, 0, d);
+  if constexpr (QT == kQ4_1 || QT == kQ5_1) gather_scales(b, row_stride, rows, 2, m);
+  const __m512 iota = iota16();
+  int64_t r = 0;
+  for (; r < rows; ++r, b += row_stride) {
+    const __m512 dv = _mm512_set1_ps(d[r]);
+    __m512i out;
+    if constexpr (QT == kQ8_0) {
+      out = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_mul_ps(cvt(i8x16(b + 18)), dv),
+                                                          _mm512_mul_ps(cvt(i8x16(b + 2)), dv)));
+    } else if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+      const __m512 t = QT == kQ4_0
+                           ? _mm512_mul_ps(dv, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)))
+                           : _mm512_fmadd_ps(iota, dv, _mm512_set1_ps(m[r]));
+      const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(t, t));
+      out = _mm512_permutexvar_epi16(nibble_words(b + (QT == kQ4_0 ? 2 : 4)), table);
+    } else {  // Q5_0, Q5_1: 32 values, q | fifth bit << 4
+      __m512 t0, t1;
+      if constexpr (QT == kQ5_0) {
+        t0 = _mm512_mul_ps(dv, _mm512_sub_ps(iota, _mm512_set1_ps(16.f)));
+        t1 = _mm512_mul_ps(dv, iota);
+      } else {
+        const __m512 mv = _mm512_set1_ps(m[r]);
+        t0 = _mm512_fmadd_ps(iota, dv, mv);
+        t1 = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), dv, mv);
+      }
+      const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(t1, t0));
+      constexpr int qh_at = QT == kQ5_0 ? 2 : 4;
+      const __m512i q = _mm512_and_si512(nibble_words(b + qh_at + 4), _mm512_set1_epi16(0xF));
+      const __m512i idx = _mm512_mask_add_epi16(q, static_cast<__mmask32>(load_u32(b + qh_at)), q,
+                                                _mm512_set1_epi16(16));
+      out = _mm512_permutexvar_epi16(idx, table);
+    }
+    _mm512_storeu_si512(hi + r * QK, out);
+  }
+  for (; r < amx::kWeightRows; ++r) std::memset(hi + r * QK, 0, 2 * QK);
+}
+#endif
+
 using Bf16Chunk = void (*)(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, uint16_t*);
 
 Bf16Chunk bf16_chunk_for(int qtype) {
+#if defined(__AVX512BW__)
+  if (bf16_chunk_lut_on.load(std::memory_order_relaxed)) {
+    switch (qtype) {
+      case kQ8_0: return bf16_chunk_lut<kQ8_0, 34>;
+      case kQ4_0: return bf16_chunk_lut<kQ4_0, 18>;
+      case kQ4_1: return bf16_chunk_lut<kQ4_1, 20>;
+      case kQ5_0: return bf16_chunk_lut<kQ5_0, 22>;
+      case kQ5_1: return bf16_chunk_lut<kQ5_1, 24>;
+      default: return nullptr;
+    }
+  }
+#endif
   switch (qtype) {
     case kQ8_0: return bf16_chunk<kQ8_0, 34>;
     case kQ4_0: return bf16_chunk<kQ4_0, 18>;
@@ -1064,6 +1162,15 @@ std::atomic<bool> bf16_gemm_on{true};
 
 void set_bf16_gemm(bool on) { bf16_gemm_on.store(on); }
 bool bf16_gemm() { return bf16_gemm_on.load(); }
+
+bool set_amx_table_decode(bool on) {
+#if defined(AIOENGINE_HAVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return avx512::bf16_chunk_lut_on.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
 
 namespace {
 

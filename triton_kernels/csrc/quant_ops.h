@@ -99,6 +99,12 @@ bool amx_allowed();
 void set_bf16_gemm(bool on);
 bool bf16_gemm();
 
+// Which decoder fills the AMX A tiles of the 32-value formats in plain bf16: true (the
+// default) a 32-entry bf16 table of each block's values picked by vpermw, false the
+// fp32 values rounded to bf16 (the reference; same tiles bit for bit). Returns the
+// previous setting (false where the build has no table decoder).
+bool set_amx_table_decode(bool on);
+
 // Tensor entry points (bound in bindings.cpp); `isa` as in resolve_isa.
 at::Tensor quant_dequantize(at::Tensor data, int64_t qtype, int64_t cols, int64_t isa);
 at::Tensor quant_linear(at::Tensor x, std::vector<at::Tensor> parts,
