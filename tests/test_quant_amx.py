@@ -67,6 +67,41 @@ def test_bf16_gemm_equals_f_linear_within_bf16_rounding(qtype):
             assert not torch.allclose(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+THIRTY_TWO_VALUE_FORMATS = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
+
+
+@pytest.mark.parametrize("qtype", THIRTY_TWO_VALUE_FORMATS, ids=lambda t: t.name)
+def test_table_decoder_gives_the_same_tiles_as_the_fp32_decoder(qtype):
+    """The A tiles of the 32-value formats come from a bf16 table of each block's values
+    picked by vpermw (``set_amx_table_decode``): the same bf16 values as rounding the
+    fp32 dequantized weights, so the GEMM is bit for bit the same; and both are the exact
+    dot products of the bf16-rounded x and weights up to the fp32 sums' rounding (a
+    wrong nibble, scale or row would be far outside that). Tail tiles of weight rows
+    (37 = 32 + 5), K of an odd number of 32-value chunks (544), 9-64 rows of x."""
+    ops = cpu_ops.load()
+    g = torch.Generator().manual_seed(100 + int(qtype))
+    before = ops.set_amx_table_decode(True)
+    try:
+        for n, blocks in ((37, 17), (64, 18)):
+            k = block_cols(qtype, blocks)
+            data = torch.from_numpy(random_weight(qtype, n, k, seed=n * blocks))
+            w = quant_reference.dequantize(data, qtype).bfloat16().double()
+            for m in (9, 16, 17, 32, 33, 64):
+                x = torch.randn(m, k, generator=g)
+                ops.set_amx_table_decode(True)
+                table = ops.quant_linear(x, [data], [int(qtype)], k, None, 3)
+                ops.set_amx_table_decode(False)
+                fp32 = ops.quant_linear(x, [data], [int(qtype)], k, None, 3)
+                assert torch.equal(table, fp32), f"M={m} N={n} K={k}: the decoders differ"
+                xb = x.bfloat16().double()
+                exact = xb @ w.T
+                bound = 2**-13 * (xb.abs() @ w.abs().T) + 1e-6
+                worst = ((table.double() - exact).abs() / bound).max().item()
+                assert worst <= 1.0, f"M={m} N={n} K={k}: {worst:.2f}x the fp32 sum bound"
+    finally:
+        ops.set_amx_table_decode(before)
+
+
 # -- the default model, 16 sequences side by side ------------------------------------------
 
 @pytest.fixture(scope="module")
