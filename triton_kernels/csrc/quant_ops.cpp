@@ -740,6 +740,27 @@ void bf16_chunk_lut(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t 
   if constexpr (QT == kQ4_1 || QT == kQ5_1) gather_scales(b, row_stride, rows, 2, m);
   const __m512 iota = iota16();
   int64_t r = 0;
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    // Two rows a table: row r's 16 values in words 0-15, row r + 1's in 16-31 (one
+    // conversion for both; the second row's indices get bit 4).
+    constexpr int qs = QT == kQ4_0 ? 2 : 4;
+    const __m512i nibble = _mm512_set1_epi16(0xF), upper = _mm512_set1_epi16(16);
+    const auto values = [&](int64_t i) {
+      const __m512 dv = _mm512_set1_ps(d[i]);
+      return QT == kQ4_0 ? _mm512_mul_ps(dv, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)))
+                         : _mm512_fmadd_ps(iota, dv, _mm512_set1_ps(m[i]));
+    };
+    for (; r + 1 < rows; r += 2, b += 2 * row_stride) {
+      const __m512i table =
+          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(values(r + 1), values(r)));
+      const __m512i i0 = _mm512_and_si512(nibble_words(b + qs), nibble);
+      // (q & 0xF) | 16
+      const __m512i i1 = _mm512_ternarylogic_epi32(nibble_words(b + row_stride + qs), nibble,
+                                                   upper, 0xEA);
+      _mm512_storeu_si512(hi + r * QK, _mm512_permutexvar_epi16(i0, table));
+      _mm512_storeu_si512(hi + (r + 1) * QK, _mm512_permutexvar_epi16(i1, table));
+    }
+  }
   for (; r < rows; ++r, b += row_stride) {
     const __m512 dv = _mm512_set1_ps(d[r]);
     __m512i out;
