@@ -8,8 +8,9 @@ block_size`` blocks of the format, rows back to back, so ``data`` is a uint8 ten
 (``ggml/src/ggml-common.h``; the ``gguf`` package's ``quants.py`` is their Python twin).
 
 The model calls only ``linear``, ``argmax_linear`` (the greedy LM head), ``embedding``,
-``fuse_rows`` and ``pack_amx_tiles`` (the LM head's weight decoded once for AMX); each runs the C++ kernels (``csrc/quant_ops.cpp``) on fp32 CPU activations
-when they are built (``cpu_ops.load()``), Triton on CUDA (``quant_triton.dequant_matmul``),
+``fuse_rows`` and ``pack_amx_tiles`` (the LM head's weight decoded once for AMX); each
+runs the C++ kernels (``csrc/quant_ops.cpp``) on fp32 CPU activations when they are built
+(``cpu_ops.load()``), Triton on CUDA (``quant_triton.dequant_matmul``),
 and the dequantize-then-``F.linear`` torch path (``quant_reference``) otherwise
 (``argmax_linear`` returns None there: the caller takes the logits' argmax).
 """
