@@ -19,7 +19,9 @@ read bandwidth; ``--kv-cache-dtype float16`` runs ``--decode`` over an fp16 cach
 ``--argmax`` also times the fused greedy LM head (``quant.argmax_linear``: the same tiles,
 only each row's running argmax kept) on each path, and prints each weight's streaming
 floor (its bytes at the measured read bandwidth); ``--shapes lm_head,gate,down`` keeps
-only those shapes.
+only those shapes. On AMX, ``packed`` (and ``packed argmax``) is the 32-value formats'
+weight decoded once into bf16 tiles (``quant.pack_amx_tiles``, as the model keeps its LM
+head), beside ``packed floor``, those tiles' bytes at the read bandwidth.
 
 ``--q8`` also times Q4_0/Q4_1/Q8_0 with int8 activations (``AIOENGINE_Q8_ACTIVATIONS=1``:
 VNNI dot products at 1-2 rows of Q4_0/Q4_1 and 1-8 of Q8_0), interleaved with the fp32
@@ -167,6 +169,20 @@ def bench_linears(formats: list[QT], rows: list[int], min_time: float,
                         if argmax and bf16:
                             sg = time_call(lambda x=x, w=w: quant.argmax_linear(x, w), min_time)
                             row[f"{fmt.name}_amx_argmax_us"] = sg * 1e6
+                        tiles = quant.pack_amx_tiles(w) if bf16 else None
+                        if tiles is not None:  # the weight decoded once (the model's LM head)
+                            sp = time_call(lambda x=x, w=w, t=tiles: quant.linear(
+                                x, w, amx_tiles=t), min_time)
+                            row[f"{fmt.name}_packed_us"] = sp * 1e6
+                            row[f"{fmt.name}_packed_speedup"] = fp32_s / sp
+                            if argmax:
+                                sg = time_call(lambda x=x, w=w, t=tiles: quant.argmax_linear(
+                                    x, w, amx_tiles=t), min_time)
+                                row[f"{fmt.name}_packed_argmax_us"] = sg * 1e6
+                            if read_gbs:
+                                row[f"{fmt.name}_packed_floor_us"] = (
+                                    tiles.numel() * tiles.element_size() / (read_gbs * 1e9) * 1e6)
+                        del tiles
                     cpu_ops.set_bf16_gemm(cpu_ops.bf16_gemm_requested())
                 cpu_ops.set_amx(amx or cpu_ops.amx_requested())
                 if argmax:  # the fused greedy head on the exact path (AMX off)
@@ -198,12 +214,14 @@ def bench_linears(formats: list[QT], rows: list[int], min_time: float,
                                  if f"{fmt.name}_q8_us" in row else "")
                               + "".join(f" {mode} {row[f'{fmt.name}_{mode}_us']:8.1f} us "
                                         f"x{row[f'{fmt.name}_{mode}_speedup']:4.2f}"
-                                        for mode in ("amx", "x3")
+                                        for mode in ("amx", "x3", "packed")
                                         if f"{fmt.name}_{mode}_us" in row)
                               + "".join(f" {label} {row[f'{fmt.name}_{key}_us']:8.1f} us"
                                         for label, key in (("argmax", "argmax"),
                                                            ("amx argmax", "amx_argmax"),
-                                                           ("floor", "floor"))
+                                                           ("packed argmax", "packed_argmax"),
+                                                           ("floor", "floor"),
+                                                           ("packed floor", "packed_floor"))
                                         if f"{fmt.name}_{key}_us" in row)
                               for fmt in formats)
             print(f"{name:>11} {n:6d}x{k:<5d} M={m:<3d} fp32 {row['fp32_us']:8.1f} us "

@@ -8,6 +8,9 @@ and bf16 hi + lo), at the GEMV's and the GEMM's row counts, with planted ties (i
 weight rows, so identical logits) inside one tile, across tiles and across the two
 threads' ranges, with and without a bias, on random Q8_0/Q4_0/Q4_1/F32 weights and on
 the default model's real Q8_0 LM head (``token_embd``, 49,152 x 576).
+
+The LM head decoded once into AMX bf16 tiles (``quant.pack_amx_tiles``, the model's
+``lm_head_tiles``) must give the per-call decode's logits bit for bit and its argmax.
 """
 
 from __future__ import annotations
@@ -127,8 +130,8 @@ def test_fused_argmax_mixed_parts_nan_and_bad_input():
     assert torch.equal(quant.argmax_linear(x, qa), quant.linear(x, qa).argmax(-1))
 
 
-@needs_kernels
-def test_fused_argmax_on_the_default_models_lm_head(two_threads, restore_gemm_settings):
+def default_lm_head() -> QuantizedWeight:
+    """The default model's tied Q8_0 LM head (``token_embd``), or a skip."""
     from gguf import GGUFReader
 
     from aioengine.config import default_model_path
@@ -140,7 +143,111 @@ def test_fused_argmax_on_the_default_models_lm_head(two_threads, restore_gemm_se
     tensor = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
     assert tensor.tensor_type == QT.Q8_0
     data = torch.from_numpy(np.ascontiguousarray(tensor.data).reshape(len(tensor.data), -1))
-    lm_head = QuantizedWeight(data, QT.Q8_0, (data.shape[0], 576))
+    return QuantizedWeight(data, QT.Q8_0, (data.shape[0], 576))
+
+
+needs_amx = pytest.mark.skipif(cpu_ops.load() is None or cpu_ops.load().quant_isa() != ISAS["amx"],
+                               reason="no AMX-BF16 GEMM on this CPU or build")
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.Q5_0], ids=lambda t: t.name)
+def test_packed_tiles_are_the_decoded_bf16_weight_and_give_the_same_logits(
+        qtype, two_threads, restore_gemm_settings):
+    rows, blocks = 1000, 6  # 1000 = 31 tiles of 32 rows + a tail of 8
+    data = torch.from_numpy(random_weight(qtype, rows, block_cols(qtype, blocks), seed=5).copy())
+    w = QuantizedWeight(data, qtype, (rows, block_cols(qtype, blocks)))
+    cols = w.shape[1]
+    tiles = quant.pack_amx_tiles(w)
+    assert tiles.dtype == torch.int16 and tuple(tiles.shape) == (32, blocks, 32, 32)
+    # the layout: tile t, chunk c, row r holds weight row 32 t + r's values 32 c .. 32 c + 31
+    # in bf16 (round to nearest even), zeros past the last row
+    as_rows = tiles.permute(0, 2, 1, 3).reshape(32 * 32, cols)
+    expected = w.dequantize().to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(as_rows[:rows], expected)
+    assert not as_rows[rows:].any()
+    g = torch.Generator().manual_seed(11)
+    bias = torch.randn(rows, generator=g)
+    cpu_ops.set_amx(True)
+    cpu_ops.set_bf16_gemm(True)
+    for m in (1, 8, 9, 16, 32, 33, 64):
+        x = torch.randn(m, cols, generator=g)
+        for b in (None, bias):
+            logits = quant.linear(x, w, b)
+            assert torch.equal(quant.linear(x, w, b, amx_tiles=tiles), logits), (m, b is not None)
+            tokens = quant.argmax_linear(x, w, b, amx_tiles=tiles)
+            assert torch.equal(tokens, torch.argmax(logits, -1)), (m, b is not None)
+    # where the bf16 AMX GEMM does not run (its fp32-grade mode, AMX off) the tiles are
+    # ignored: the exact paths' output, which differs from bf16's
+    x = torch.randn(32, cols, generator=g)
+    bf16 = quant.linear(x, w)
+    for amx, bf16_gemm in ((True, False), (False, True)):
+        cpu_ops.set_amx(amx)
+        cpu_ops.set_bf16_gemm(bf16_gemm)
+        exact = quant.linear(x, w)
+        assert not torch.equal(exact, bf16)
+        assert torch.equal(quant.linear(x, w, amx_tiles=tiles), exact)
+        assert torch.equal(quant.argmax_linear(x, w, amx_tiles=tiles), exact.argmax(-1))
+    ops = cpu_ops.load()
+    with pytest.raises(RuntimeError, match="amx_tiles must be"):
+        ops.quant_linear_packed(x, data, int(qtype), cols, tiles[:-1].contiguous())
+    with pytest.raises(RuntimeError, match="not a 32-value format"):
+        ops.quant_amx_pack(torch.zeros(4, 2 * 144, dtype=torch.uint8), int(QT.Q4_K), 512)
+
+
+@needs_amx
+def test_packed_default_lm_head_bitwise_and_the_switch(two_threads, restore_gemm_settings,
+                                                       monkeypatch, caplog):
+    import logging
+
+    from aioengine.models.decoder import CausalLM
+
+    lm_head = default_lm_head()
+    cpu_ops.set_amx(True)
+    cpu_ops.set_bf16_gemm(True)
+    # the model's own packing: on where the engine runs the bf16 AMX GEMM, logged once
+    monkeypatch.setenv("AIOENGINE_AMX", "1")
+    monkeypatch.setenv("AIOENGINE_BF16_GEMM", "1")
+    holder = type("Model", (), {"lm_head": lm_head})()
+    with caplog.at_level(logging.INFO, logger="aioengine.models.decoder"):
+        tiles = CausalLM.pack_lm_head(holder)
+    assert tiles is not None and tiles.numel() * 2 == 49152 * 576 * 2
+    assert "56.6 MB more memory" in caplog.text
+    g = torch.Generator().manual_seed(0)
+    emb = quant.embedding(torch.randint(0, lm_head.shape[0], (64, 2), generator=g), lm_head)
+    mix = torch.rand(64, 1, generator=g)
+    hidden = (emb[:, 0] * mix + emb[:, 1] * (1 - mix)) * 30
+    hidden[1::2] = torch.randn(32, 576, generator=g)  # and plain noise: no clear winner
+    for m in (9, 16, 32, 33, 64):
+        x = hidden[:m].contiguous()
+        logits = quant.linear(x, lm_head)
+        assert torch.equal(quant.linear(x, lm_head, amx_tiles=tiles), logits), m
+        assert torch.equal(quant.argmax_linear(x, lm_head, amx_tiles=tiles),
+                           torch.argmax(logits, -1)), m
+    # the model hands its tiles to both LM head entries
+    seen = []
+    for name in ("linear", "argmax_linear"):
+        fn = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, fn=fn, **kw: seen.append(kw) or fn(*a, **kw))
+    holder.lm_head_tiles, holder.tp_size = tiles, 1
+    holder.arch = type("Arch", (), {"final_logit_softcap": None})()
+    x = hidden[:32].contiguous()
+    assert torch.equal(CausalLM.compute_greedy_tokens(holder, x),
+                       CausalLM.compute_logits(holder, x).argmax(-1))
+    assert [kw["amx_tiles"] is tiles for kw in seen] == [True, True]
+    for env in ({"AIOENGINE_PACKED_LM_HEAD": "0"}, {"AIOENGINE_AMX": "0"},
+                {"AIOENGINE_BF16_GEMM": "0"}):
+        with monkeypatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            assert CausalLM.pack_lm_head(holder) is None, env
+    holder.lm_head = torch.randn(8, 64)  # a dense head: nothing to pack
+    assert CausalLM.pack_lm_head(holder) is None
+
+
+@needs_kernels
+def test_fused_argmax_on_the_default_models_lm_head(two_threads, restore_gemm_settings):
+    lm_head = default_lm_head()
     g = torch.Generator().manual_seed(0)
     # hidden states near real ones: token embeddings (tied head: that token wins big) and
     # mixes of two (two tokens close to each other at the top)

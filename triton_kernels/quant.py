@@ -7,15 +7,17 @@ block_size`` blocks of the format, rows back to back, so ``data`` is a uint8 ten
 ``gguf.GGMLQuantizationType`` values; block layouts are llama.cpp's
 (``ggml/src/ggml-common.h``; the ``gguf`` package's ``quants.py`` is their Python twin).
 
-The model calls only ``linear``, ``argmax_linear`` (the greedy LM head), ``embedding`` and
-``fuse_rows``; each runs the C++ kernels (``csrc/quant_ops.cpp``) on fp32 CPU activations
-when they are built (``cpu_ops.load()``), Triton on CUDA (``quant_triton.dequant_matmul``),
+The model calls only ``linear``, ``argmax_linear`` (the greedy LM head), ``embedding``,
+``fuse_rows`` and ``pack_amx_tiles`` (the LM head's weight decoded once for AMX); each
+runs the C++ kernels (``csrc/quant_ops.cpp``) on fp32 CPU activations when they are built
+(``cpu_ops.load()``), Triton on CUDA (``quant_triton.dequant_matmul``),
 and the dequantize-then-``F.linear`` torch path (``quant_reference``) otherwise
 (``argmax_linear`` returns None there: the caller takes the logits' argmax).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +38,8 @@ __all__ = [
     "embedding",
     "fuse_rows",
     "linear",
+    "pack_amx_tiles",
+    "packed_lm_head_requested",
 ]
 
 QT = GGMLQuantizationType
@@ -145,7 +149,47 @@ def _shape(w: Weight) -> tuple[int, int]:
     return tuple(w.shape)
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_lm_head_requested() -> bool:
+    """``AIOENGINE_PACKED_LM_HEAD`` (default on): whether the model decodes its LM head's
+    weight once into AMX bf16 tiles (``pack_amx_tiles``) where the quantized GEMM runs on
+    AMX in bf16 (``cpu_ops.amx_requested`` and ``bf16_gemm_requested``), trading 2 bytes a
+    parameter of memory (56.6 MB for SmolLM2-135M's 49,152 x 576 head) for a step that
+    loads the tiles instead of decoding the Q8_0 blocks every time."""
+    return os.environ.get("AIOENGINE_PACKED_LM_HEAD", "1").strip().lower() in (
+        "1", "true", "yes", "on")
+
+
+#: Formats whose blocks of 32 values ``pack_amx_tiles`` decodes.
+_AMX_PACK_QTYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1)
+
+
+def pack_amx_tiles(weight: Weight) -> torch.Tensor | None:
+    """``weight`` decoded once into the bf16 A tiles of the C++ AMX GEMM
+    (``csrc/quant_ops.h`` ``quant_amx_pack``; ``csrc/quant_amx.h``): int16 (bf16 bits)
+    ``[ceil(rows / 32), cols / 32, 32, 32]``, per 32 weight rows and 32-value chunk of K
+    the chunk's rows, zeros past the last row. ``linear`` and ``argmax_linear`` given them
+    (``amx_tiles=``) load the tiles where the GEMM runs on AMX in bf16 (9+ rows of x)
+    instead of decoding the blocks each call; the values are the ones that decode makes,
+    so the outputs are bit for bit the same (tests/test_quant_argmax.py).
+
+    Args:
+        weight: a ``QuantizedWeight`` in Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 on the CPU.
+
+    Returns:
+        The tiles (2 bytes a parameter), or None where they would not be used: another
+        weight or format, no C++ build, a CPU without AMX-BF16.
+    """
+    if (not isinstance(weight, QuantizedWeight) or weight.qtype not in _AMX_PACK_QTYPES
+            or weight.device.type != "cpu" or weight.shape[0] == 0):
+        return None
+    ops = cpu_ops.load()
+    if ops is None or ops.quant_isa() != 3:  # 3: AMX (resolve_isa)
+        return None
+    return ops.quant_amx_pack(weight.data, int(weight.qtype), weight.shape[1])
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, *,
+           amx_tiles: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``.
 
     fp32 CPU activations with CPU weights go to the C++ kernels (GEMV up to 8 rows, a
@@ -157,6 +201,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         x: ``[..., K]`` activations.
         weight: ``[N, K]`` dense, quantized, or a tuple of parts (``fuse_rows``).
         bias: ``[N]`` or None.
+        amx_tiles: ``pack_amx_tiles(weight)`` or None: the AMX GEMM loads them instead of
+            decoding the weight (same output bit for bit).
 
     Returns:
         ``[..., N]`` in ``x``'s dtype.
@@ -165,7 +211,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         return F.linear(x, weight.to(x.dtype), bias)
     if x.device.type == "cuda":
         return _cuda_linear(x, weight, bias)
-    out = _cpu_linear(x, weight, bias)
+    out = _cpu_linear(x, weight, bias, amx_tiles)
     if out is not None:
         return out
     if isinstance(weight, tuple):
@@ -196,7 +242,8 @@ def _cpu_kernel_operands(x: torch.Tensor, weight: Weight, bias: torch.Tensor | N
     return ops, parts, qtypes, cols, rows
 
 
-def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
+def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None,
+                amx_tiles: torch.Tensor | None = None):
     """The C++ path, or None where it does not apply."""
     kernel = _cpu_kernel_operands(x, weight, bias)
     if kernel is None or kernel[3] == 0:
@@ -205,12 +252,16 @@ def _cpu_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None):
     x2 = x if x.dim() == 2 else x.reshape(-1, cols)
     if x2.stride(-1) != 1 or x2.is_neg():
         x2 = x2.contiguous()
-    out = ops.quant_linear(x2, parts, qtypes, cols, None if bias is None else bias.contiguous())
+    b = None if bias is None else bias.contiguous()
+    if amx_tiles is not None and len(parts) == 1:
+        out = ops.quant_linear_packed(x2, parts[0], qtypes[0], cols, amx_tiles, b)
+    else:
+        out = ops.quant_linear(x2, parts, qtypes, cols, b)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], rows)
 
 
-def argmax_linear(x: torch.Tensor, weight: Weight,
-                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def argmax_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, *,
+                  amx_tiles: torch.Tensor | None = None) -> torch.Tensor | None:
     """``linear(x, weight, bias).argmax(-1)`` without the ``[M, N]`` output: the greedy LM
     head. The C++ kernel computes the same tiles with the same sums as ``linear`` and keeps
     only each row's running maximum and its index (``csrc/quant_ops.h``,
@@ -222,6 +273,7 @@ def argmax_linear(x: torch.Tensor, weight: Weight,
         weight: ``[N, K]`` quantized, or a tuple of parts (``fuse_rows``); dense
             ``[N, K]`` fp32 weights go through ``F.linear`` elsewhere, so they return None.
         bias: ``[N]`` or None.
+        amx_tiles: ``pack_amx_tiles(weight)`` or None, as for ``linear``.
 
     Returns:
         ``[M]`` int64 indices, or None where the kernel does not apply (a dense weight,
@@ -236,8 +288,10 @@ def argmax_linear(x: torch.Tensor, weight: Weight,
     ops, parts, qtypes, cols, _ = kernel
     if x.stride(-1) != 1 or x.is_neg():
         x = x.contiguous()
-    return ops.quant_linear_argmax(x, parts, qtypes, cols,
-                                   None if bias is None else bias.contiguous())
+    b = None if bias is None else bias.contiguous()
+    if amx_tiles is not None and len(parts) == 1:
+        return ops.quant_linear_packed(x, parts[0], qtypes[0], cols, amx_tiles, b, argmax=True)
+    return ops.quant_linear_argmax(x, parts, qtypes, cols, b)
 
 
 def _cuda_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -22,6 +22,7 @@ activations run the Python layer loop (``CausalLM.fused_decode_blocker`` says wh
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from aioengine.models.layers.norm import rms_norm
 from aioengine.models.layers.rotary import RotaryEmbedding, rotary_dim, rotary_embedding
 from triton_kernels import cpu_ops, quant
 from triton_kernels.quant import QuantizedWeight, Weight, fuse_rows
+
+logger = logging.getLogger(__name__)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -256,6 +259,7 @@ class CausalLM:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = take("lm_head.weight")
+        self.lm_head_tiles = self.pack_lm_head()
         ignored = sorted(name for name in weights if name.endswith(".bias"))
         if ignored:  # e.g. Llama's attention_bias (o_proj) or mlp_bias: refuse, never drop
             raise ValueError(f"the checkpoint has biases this model does not implement: "
@@ -294,6 +298,27 @@ class CausalLM:
         layer_type = arch.layer_types[i] if arch.layer_types else FULL
         return DecoderLayer(w, arch.window_of(i) if arch.layer_types else None,
                             self.rotaries[layer_type])
+
+    def pack_lm_head(self) -> torch.Tensor | None:
+        """The LM head's weight decoded once into the AMX GEMM's bf16 tiles
+        (``quant.pack_amx_tiles``), or None: ``AIOENGINE_PACKED_LM_HEAD=0``, AMX off
+        (``AIOENGINE_AMX=0``) or fp32-grade (``AIOENGINE_BF16_GEMM=0``), no AMX-BF16 on
+        this CPU, or a head in another format. A step of 9+ rows then loads the tiles
+        instead of decoding the head's blocks (SmolLM2's tied Q8_0 head at 32 rows:
+        bench/README.md); logits and greedy tokens are the same bit for bit. Costs 2 bytes
+        a parameter beside the quantized copy (which the embedding lookup keeps), logged.
+        """
+        if not (quant.packed_lm_head_requested() and cpu_ops.amx_requested()
+                and cpu_ops.bf16_gemm_requested()):
+            return None
+        tiles = quant.pack_amx_tiles(self.lm_head)
+        if tiles is not None:
+            rows, cols = self.lm_head.shape
+            logger.info("LM head %dx%d %s decoded once into AMX bf16 tiles: %.1f MB more "
+                        "memory (AIOENGINE_PACKED_LM_HEAD=0 decodes it each step instead)",
+                        rows, cols, weight_format(self.lm_head),
+                        tiles.numel() * tiles.element_size() / 1e6)
+        return tiles
 
     def fused_decode_blocker(self) -> str | None:
         """Why the C++ decode step cannot run this model (None: it can). The step
@@ -367,6 +392,7 @@ class CausalLM:
             self.embed_scale = self.embed_scale.to(device)
         if torch.device(device).type != "cpu":
             self.decode_layers = None
+            self.lm_head_tiles = None
 
     def named_weights(self) -> list[tuple[str, Weight]]:
         """Every weight once (a tied LM head is the embedding), with our names."""
@@ -488,7 +514,7 @@ class CausalLM:
         if isinstance(self.lm_head, torch.Tensor):
             logits = cpu_ops.linear(hidden, self.lm_head)  # F.linear off the fp32 CPU path
         else:
-            logits = quant.linear(hidden, self.lm_head)
+            logits = quant.linear(hidden, self.lm_head, amx_tiles=self.lm_head_tiles)
         if self.tp_size > 1:
             logits = tp.gather_to_first(logits)
             if logits is None:
@@ -516,5 +542,5 @@ class CausalLM:
         if (isinstance(self.lm_head, torch.Tensor) or self.tp_size > 1
                 or self.arch.final_logit_softcap is not None):
             return None
-        return quant.argmax_linear(hidden, self.lm_head)
+        return quant.argmax_linear(hidden, self.lm_head, amx_tiles=self.lm_head_tiles)
 

@@ -17,7 +17,8 @@
 //   GEMM above.
 // - quant_dequantize / quant_linear / quant_embedding: GGML block formats read in
 //   place (quant_ops.h, quant_ops.cpp); quant_linear_argmax: the greedy LM head, the
-//   argmax of each row of quant_linear's output without writing it; the GEMM (9+ rows) on AMX-BF16 tiles where the
+//   argmax of each row of quant_linear's output without writing it; quant_amx_pack /
+//   quant_linear_packed: the LM head's weight decoded once into AMX bf16 tiles; the GEMM (9+ rows) on AMX-BF16 tiles where the
 //   CPU has them (quant_amx.h; set_amx, set_bf16_gemm).
 // - LlamaDecodeLayers (fp32 activations): a decoder-layer stack for one decode step in
 //   one call, built from the kernels above; each projection is dense fp32 or quantized
@@ -75,6 +76,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_argmax", &aioengine::quant_linear_argmax, pybind11::arg("x"),
         pybind11::arg("parts"), pybind11::arg("qtypes"), pybind11::arg("cols"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = -1, release());
+  m.def("quant_amx_pack", &aioengine::quant_amx_pack, pybind11::arg("data"),
+        pybind11::arg("qtype"), pybind11::arg("cols"), release());
+  m.def("quant_linear_packed", &aioengine::quant_linear_packed, pybind11::arg("x"),
+        pybind11::arg("data"), pybind11::arg("qtype"), pybind11::arg("cols"),
+        pybind11::arg("amx_tiles"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("argmax") = false, pybind11::arg("isa") = -1, release());
   m.def("quant_embedding", &aioengine::quant_embedding, pybind11::arg("ids"),
         pybind11::arg("data"), pybind11::arg("qtype"), pybind11::arg("cols"),
         pybind11::arg("isa") = -1, release());

@@ -1332,7 +1332,9 @@ void quant_linear_impl(float* y, int64_t ldy, const float* x, int64_t ldx, int64
       const float* const bt = bias != nullptr ? bias + n0 : nullptr;
       // At decode the weight streams from DRAM once per step: ask for a tile a few tiles
       // ahead, so the misses of one thread overlap instead of queueing behind its compute.
-      if (t + kPrefetchTiles < end && t + kPrefetchTiles < first_tile[p + 1]) {
+      // (Not for a part whose AMX tiles were decoded once: those are what the GEMM reads.)
+      const bool packed_tiles = use_amx && !x3 && part.amx_tiles != nullptr;
+      if (!packed_tiles && t + kPrefetchTiles < end && t + kPrefetchTiles < first_tile[p + 1]) {
         const int64_t ahead = r0 + kPrefetchTiles * T;
         const int64_t stop = std::min(part.rows, ahead + T);
         for (int64_t r = ahead; r < stop; ++r)
@@ -1368,6 +1370,12 @@ void quant_linear_impl(float* y, int64_t ldy, const float* x, int64_t ldx, int64
       }
 #endif
 #if defined(AIOENGINE_HAVE_AVX512) && defined(__AVX512BF16__)
+      if (packed_tiles) {  // quant_amx_pack's tiles, T = kWeightRows rows each: no decode
+        const uint16_t* a = part.amx_tiles + (r0 / T) * amx::weight_tile_elems(K);
+        amx::gemm_tile(const_cast<uint16_t*>(a), nullptr, rows, *xp, yt, ldt, bt, nullptr, n0,
+                       fused_argmax ? &row_argmax : nullptr);  // only read without a decoder
+        continue;
+      }
       if (use_amx) {
         uint16_t* lo = x3 ? a_lo.data() : nullptr;
         // 32-value formats: decoded chunk by chunk inside gemm_tile, overlapping the
@@ -1484,6 +1492,69 @@ at::Tensor quant_linear_argmax(at::Tensor x, std::vector<at::Tensor> parts,
     quant_linear_argmax_into(out.data_ptr<int64_t>(), x.data_ptr<float>(), x.stride(0), x.size(0),
                              w, b, resolve_isa(isa));
   return out;
+}
+
+at::Tensor quant_amx_pack(at::Tensor data, int64_t qtype, int64_t cols) {
+  const WeightPart part = make_part(data, static_cast<int>(qtype), cols);
+#if defined(AIOENGINE_HAVE_AVX512) && defined(__AVX512BF16__)
+  const avx512::Bf16Chunk fn = avx512::bf16_chunk_for(part.qtype);
+  TORCH_CHECK(fn != nullptr, "quant_amx_pack: GGML type ", qtype, " is not a 32-value format "
+              "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)");
+  const int64_t tiles = (part.rows + amx::kWeightRows - 1) / amx::kWeightRows;
+  const int64_t chunks = (cols + QK - 1) / QK, elems = amx::weight_tile_elems(cols);
+  at::Tensor out = at::empty({tiles, chunks, amx::kWeightRows, QK}, data.options().dtype(at::kShort));
+  uint16_t* a = reinterpret_cast<uint16_t*>(out.data_ptr<int16_t>());
+  // The tiles gemm_tile's decoder fills in bf16 mode (lo = nullptr), kept.
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * amx::kWeightRows;
+      const int64_t rows = std::min(amx::kWeightRows, part.rows - r0);
+      for (int64_t kc = 0; kc < chunks; ++kc)
+        fn(part.data + r0 * part.row_stride, part.row_stride, rows, kc,
+           a + t * elems + kc * amx::kWeightRows * QK, nullptr);
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "quant_amx_pack: this build has no AVX512-BF16 code");
+#endif
+}
+
+at::Tensor quant_linear_packed(at::Tensor x, at::Tensor data, int64_t qtype, int64_t cols,
+                               at::Tensor amx_tiles, c10::optional<at::Tensor> bias,
+                               bool argmax, int64_t isa) {
+  QuantLinear w = make_quant_linear({data}, {qtype}, cols);
+  const int64_t tiles = (w.rows + amx::kWeightRows - 1) / amx::kWeightRows;
+  TORCH_CHECK(amx_tiles.device().is_cpu() && amx_tiles.scalar_type() == at::kShort &&
+                  amx_tiles.is_contiguous() &&
+                  amx_tiles.numel() == tiles * amx::weight_tile_elems(cols),
+              "quant_linear_packed: amx_tiles must be quant_amx_pack's int16 [", tiles, ", ",
+              (cols + QK - 1) / QK, ", ", amx::kWeightRows, ", ", QK, "] of this weight");
+  w.parts[0].amx_tiles = reinterpret_cast<const uint16_t*>(amx_tiles.data_ptr<int16_t>());
+  w.tensors.push_back(amx_tiles);
+  const char* name = argmax ? "quant_linear_packed (argmax)" : "quant_linear_packed";
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.scalar_type() == at::kFloat &&
+                  x.stride(1) == 1 && x.device().is_cpu(),
+              name, ": x must be fp32 [M, ", cols, "] with unit column stride");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == w.rows, name, ": bias must be fp32 [", w.rows, "]");
+    b = bias->data_ptr<float>();
+  }
+  if (argmax) {
+    TORCH_CHECK(w.rows > 0, name, ": the weight has no rows");
+    at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+    if (x.size(0) > 0)
+      quant_linear_argmax_into(out.data_ptr<int64_t>(), x.data_ptr<float>(), x.stride(0),
+                               x.size(0), w, b, resolve_isa(isa));
+    return out;
+  }
+  at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
+  if (x.size(0) > 0)
+    quant_linear_into(y.data_ptr<float>(), w.rows, x.data_ptr<float>(), x.stride(0), x.size(0), w,
+                      b, resolve_isa(isa));
+  return y;
 }
 
 at::Tensor quant_embedding(at::Tensor ids, at::Tensor data, int64_t qtype, int64_t cols,

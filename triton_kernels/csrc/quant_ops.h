@@ -43,6 +43,9 @@ struct WeightPart {
   int64_t row_stride;  // bytes between rows
   int qtype;
   int64_t rows;
+  // The part decoded once into the bf16 A tiles of the AMX GEMM (quant_amx_pack), or
+  // nullptr: Isa::kAmx in bf16 (set_bf16_gemm(true)) then loads them instead of decoding.
+  const uint16_t* amx_tiles = nullptr;
 };
 
 // A linear layer's weight [rows, cols] (out_features, in_features) as parts stacked by
@@ -114,6 +117,22 @@ at::Tensor quant_linear(at::Tensor x, std::vector<at::Tensor> parts,
 at::Tensor quant_linear_argmax(at::Tensor x, std::vector<at::Tensor> parts,
                                std::vector<int64_t> qtypes, int64_t cols,
                                c10::optional<at::Tensor> bias, int64_t isa);
+// A 32-value-format weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) of `cols` columns decoded once
+// into the A tiles the AMX GEMM loads (quant_amx.h, gemm_tile): int16 (bf16 bits)
+// [ceil(rows / amx::kWeightRows), ceil(cols / 32), amx::kWeightRows, 32], per 32 weight
+// rows and 32-value chunk of K the chunk's 32 rows x 32 values, zeros past the last row.
+// The values are those the per-call decode produces in bf16 (bit for bit), so a GEMM on
+// them gives the same y. 2 bytes a parameter (Q8_0: 1.06 bytes). Fails on another format
+// or a build without AVX512-BF16.
+at::Tensor quant_amx_pack(at::Tensor data, int64_t qtype, int64_t cols);
+// quant_linear (argmax = false: y [M, rows] fp32) or quant_linear_argmax (argmax = true:
+// [M] int64) of the one-part weight `data` whose quant_amx_pack is `amx_tiles`: where the
+// AMX GEMM runs in bf16 (Isa::kAmx, set_amx and set_bf16_gemm on, M > 8) its weight tiles
+// are loaded from amx_tiles with no decode; elsewhere (the GEMV, the fp32-grade hi + lo
+// mode, AMX off) exactly quant_linear's path on `data`.
+at::Tensor quant_linear_packed(at::Tensor x, at::Tensor data, int64_t qtype, int64_t cols,
+                               at::Tensor amx_tiles, c10::optional<at::Tensor> bias,
+                               bool argmax, int64_t isa);
 at::Tensor quant_embedding(at::Tensor ids, at::Tensor data, int64_t qtype, int64_t cols,
                            int64_t isa);
 
