@@ -13,7 +13,7 @@ kernels on the default model: the fused 30-layer stack (``cpu_ops.LlamaDecodeLay
 Q4_1 projections, 128 tokens of context each) plus the Q8_0 LM head.
 
 ``--attention`` times decode attention alone (the blocked AVX-512 kernel against the
-portable one, fp32 and fp16 caches) beside its floor, the cache's bytes at the measured
+portable one, fp32, fp16 and bf16 caches) beside its floor, the cache's bytes at the measured
 read bandwidth; ``--kv-cache-dtype float16`` runs ``--decode`` over an fp16 cache.
 
 ``--argmax`` also times the fused greedy LM head (``quant.argmax_linear``: the same tiles,
@@ -314,7 +314,7 @@ def bench_attention(batches: list[int], min_time: float, read_gbs: float,
                     contexts: tuple[int, ...] = (128, 512)) -> list[dict]:
     """Decode attention alone (``paged_attention_decode``), the default model's shape (9
     query heads on 3 KV heads of 64, block size 16) over 30 layers' caches of
-    ``batch`` sequences x ``context`` keys, fp32 and fp16 caches: the blocked kernel
+    ``batch`` sequences x ``context`` keys, fp32, fp16 and bf16 caches: the blocked kernel
     (AVX-512 builds) against the portable one, interleaved. A step reads every cached K
     and V once, so bytes / ``read_gbs`` is its floor (its FLOPs, 4 * heads * head_dim a
     key, are far below the GEMM ceiling)."""
@@ -323,7 +323,7 @@ def bench_attention(batches: list[int], min_time: float, read_gbs: float,
     results = []
     for batch in batches:
         for context in contexts:
-            for dtype in (torch.float32, torch.float16):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 blocks = batch * -(-context // block_size)
                 kv = torch.randn(layers, 2, blocks, block_size, kv_heads, head_dim).to(dtype)
                 tables = torch.arange(blocks, dtype=torch.int32).view(batch, -1)

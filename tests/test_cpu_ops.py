@@ -103,6 +103,52 @@ def test_blocked_and_portable_kernels_equal_the_reference(num_heads, num_kv_head
         torch.set_num_threads(threads)
 
 
+# Decode lengths around the blocked kernel's 16-key chunks and quads: 1, a partial quad,
+# exactly one chunk, one more, several chunks plus a ragged tail, and many (7 sequences:
+# at 2 threads fewer than 4 a thread, so a task is one KV head).
+DECODE_LENS = [1, 3, 16, 17, 47, 129, 300]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (16, 2)])
+def test_decode_kernel_window_softcap_equal_the_torch_reference(num_heads, num_kv_heads,
+                                                                head_dim, cache_dtype):
+    # The decode kernel's online softmax (one pass, 16 keys a chunk, the accumulator
+    # rescaled when a chunk raises a head's max) against the torch oracle with HF's
+    # sliding-window and soft-cap masks on the widened cache: groups 1/3/8, head_dim
+    # 64/80/128, fp32/fp16/bf16 caches, ragged lengths, 1 thread (a task takes every KV
+    # head of a sequence) and 2 (one KV head a task), and the portable kernel. The scores
+    # are sharpened (scale x 4) so a wrong rescale or a dropped chunk is far off.
+    from types import SimpleNamespace
+
+    from aioengine.models.layers.attention import windowed_paged_attention
+
+    batch = make_batch([1] * len(DECODE_LENS), DECODE_LENS, num_heads, num_kv_heads, 16,
+                       head_dim=head_dim, seed=head_dim + num_heads)
+    for name in ("key_cache", "value_cache"):
+        batch[name] = batch[name].to(cache_dtype)
+    plan = _plan(batch).decode
+    attn = SimpleNamespace(cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"],
+                           block_tables=plan.block_table)
+    scale = batch["scale"] * 4
+    threads = torch.get_num_threads()
+    try:
+        for window, softcap in ((None, None), (24, None), (None, 1.5), (16, 2.0)):
+            expected = windowed_paged_attention(
+                batch["query"], batch["key_cache"].float(), batch["value_cache"].float(), attn,
+                scale, window, softcap)
+            for num_threads, portable in ((1, False), (2, False), (1, True)):
+                torch.set_num_threads(num_threads)
+                out = torch.full_like(batch["query"], float("nan"))
+                cpu_ops.load().paged_attention_decode(
+                    out, batch["query"], batch["key_cache"], batch["value_cache"],
+                    plan.block_table, plan.seq_lens, scale, portable, window or 0, softcap or 0.0)
+                torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # (q_len, seq_len) per sequence: a whole prompt (prefix 0) of 1, 5 and 70 tokens (five
 # 16-token tiles), chunks after a prefix that is not block-aligned (37), block-aligned
 # (16) and long enough for several 256-key spans (300), and a decode row among them.

@@ -43,11 +43,13 @@ template <typename scalar_t, typename cache_t = scalar_t>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           double scale, bool portable) {
+                           double scale, bool portable, int64_t window, double softcap) {
   DecodeAttention<scalar_t, cache_t> a;
   set_paged_operands<scalar_t, cache_t>(&a, out, query, key_cache, value_cache, block_tables,
                                         seq_lens, scale);
   a.num_seqs = query.size(0);
+  a.window = window;
+  a.softcap = static_cast<float>(softcap);
   decode_attention_run(a, portable);
 }
 
@@ -56,9 +58,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
 
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_tables,
-                            at::Tensor seq_lens, double scale, bool portable) {
+                            at::Tensor seq_lens, double scale, bool portable, int64_t window,
+                            double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention_decode: bad ranks");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention_decode: window, softcap >= 0");
   TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
               "paged_attention_decode: head mismatch");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
@@ -78,17 +82,17 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
               "under an fp32 query");
   if (query.scalar_type() == at::kFloat && cache_type == at::kHalf) {
     decode_attention_impl<float, c10::Half>(out, query, key_cache, value_cache, block_tables,
-                                            seq_lens, scale, portable);
+                                            seq_lens, scale, portable, window, softcap);
     return;
   }
   if (query.scalar_type() == at::kFloat && cache_type == at::kBFloat16) {
     decode_attention_impl<float, c10::BFloat16>(out, query, key_cache, value_cache, block_tables,
-                                                seq_lens, scale, portable);
+                                                seq_lens, scale, portable, window, softcap);
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attn", [&] {
     decode_attention_impl<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                       portable);
+                                       portable, window, softcap);
   });
 }
 

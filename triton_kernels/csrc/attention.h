@@ -167,15 +167,13 @@ void decode_attention_portable(const DecodeAttention<scalar_t, cache_t>& a) {
 #if defined(__AVX512F__)
 // The blocked AVX-512 kernel (fp32 queries, head_dim a multiple of 16). The portable
 // kernel spends most of its time on arithmetic, not on reading the cache: a horizontal
-// sum for every score and a load/store of the accumulator for every value row. Here:
-// - scores 16 keys at a time: each key row is loaded (and fp16/bf16 widened) once for up
-//   to 4 query heads of the group, its 16-lane partial products are kept, and one
-//   transpose-add tree (sum16x16) turns 16 of them into 16 scores;
-// - the weighted sum keeps a tile of up to 4 heads x 64 dims in registers over all keys;
-// - softmax divides once at the end (the sum of exp, then acc / sum);
-// - tasks are split over threads by keys (TaskSplit), K/V rows prefetched a chunk ahead.
-// At 32 sequences x 128 keys on one core of the dev machine (AVX-512, 11 GB/s) it reads
-// the cache at 9-10 GB/s, 1.2-1.5x the portable kernel (bench/README.md).
+// sum for every score and a load/store of the accumulator for every value row. Here
+// (attn512::run): 16 keys a chunk; each key row is loaded (fp16/bf16 widened) once for up
+// to 3 query heads of the group and 16 scores come out of one transpose-add tree; one
+// exp per head and chunk; the weighted sum in a register tile of heads x 64 dims; the
+// running max checked with one compare; tasks split over threads by keys (TaskSplit).
+// score_chunk/value_tiles (all keys' scores first, then the values) serve the prefill
+// kernel below.
 namespace attn512 {
 
 // out[i] = the sum of v[i]'s 16 lanes, i < 16.
@@ -253,8 +251,164 @@ inline void value_tiles(const float* p, int64_t ld, const cache_t* const* rows, 
   }
 }
 
+// Scores of GT query heads (q rows d apart) against 16 keys: lane i of s[j] is
+// q_j . rows[i][off ..], i < cnt; lanes cnt .. 15 get 0. Keys go four at a time: each
+// 16-value slice of their rows is loaded (and widened) once for the GT heads, the 4 x GT
+// partial-product vectors stay in registers, and sum16x16's transpose-add tree folds them
+// as they arrive (a quad to one vector, two quads to one), so no partial sum spills and
+// no score needs a horizontal reduction of its own.
+template <int GT, typename cache_t>
+inline void score16(const float* q, int64_t d, const cache_t* const* rows, int64_t off,
+                    int64_t cnt, __m512* s) {
+  __m512 z[2][GT];
+#pragma GCC unroll 2
+  for (int half = 0; half < 2; ++half) {
+    __m512 x[2][GT];
+#pragma GCC unroll 2
+    for (int qd = 0; qd < 2; ++qd) {
+      const int64_t i0 = half * 8 + qd * 4;
+      __m512 p[4][GT];
+#pragma GCC unroll 4
+      for (int kk = 0; kk < 4; ++kk)
+#pragma GCC unroll 4
+        for (int j = 0; j < GT; ++j) p[kk][j] = _mm512_setzero_ps();
+      if (i0 + 4 <= cnt) {
+        const cache_t *k0 = rows[i0] + off, *k1 = rows[i0 + 1] + off,
+                      *k2 = rows[i0 + 2] + off, *k3 = rows[i0 + 3] + off;
+        for (int64_t c = 0; c < d; c += 16) {
+          const __m512 kv[4] = {load16(k0 + c), load16(k1 + c), load16(k2 + c), load16(k3 + c)};
+#pragma GCC unroll 4
+          for (int j = 0; j < GT; ++j) {
+            const __m512 qv = _mm512_loadu_ps(q + j * d + c);
+#pragma GCC unroll 4
+            for (int kk = 0; kk < 4; ++kk) p[kk][j] = _mm512_fmadd_ps(qv, kv[kk], p[kk][j]);
+          }
+        }
+      } else if (i0 < cnt) {  // the last, partial quad
+#pragma GCC unroll 4
+        for (int kk = 0; kk < 4; ++kk) {
+          if (i0 + kk >= cnt) break;
+          const cache_t* k = rows[i0 + kk] + off;
+          for (int64_t c = 0; c < d; c += 16) {
+            const __m512 kv = load16(k + c);
+#pragma GCC unroll 4
+            for (int j = 0; j < GT; ++j)
+              p[kk][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + c), kv, p[kk][j]);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < GT; ++j) {
+        // Per 128-bit lane: keys (0, 1)'s and (2, 3)'s pair sums, then the quad's sums.
+        const __m512 w0 = _mm512_add_ps(_mm512_unpacklo_ps(p[0][j], p[1][j]),
+                                        _mm512_unpackhi_ps(p[0][j], p[1][j]));
+        const __m512 w1 = _mm512_add_ps(_mm512_unpacklo_ps(p[2][j], p[3][j]),
+                                        _mm512_unpackhi_ps(p[2][j], p[3][j]));
+        const __m512d a = _mm512_castps_pd(w0), b = _mm512_castps_pd(w1);
+        x[qd][j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < GT; ++j)
+      z[half][j] = _mm512_add_ps(_mm512_shuffle_f32x4(x[0][j], x[1][j], 0x88),
+                                 _mm512_shuffle_f32x4(x[0][j], x[1][j], 0xDD));
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < GT; ++j)
+    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(z[0][j], z[1][j], 0x88),
+                         _mm512_shuffle_f32x4(z[0][j], z[1][j], 0xDD));
+}
+
+// acc[j * d + e] = acc[j * d + e] * alpha[j] + sum over i < cnt of p[j * 16 + i] *
+// rows[i][off + e], for GT heads and e < 16 * NV: the running weighted sum of the online
+// softmax, a register tile of heads x dims over a chunk's keys.
+template <int GT, int NV, typename cache_t>
+inline void value16(const float* p, const cache_t* const* rows, int64_t off, int64_t cnt,
+                    const float* alpha, float* acc, int64_t d) {
+  __m512 sum[GT][NV];
+  for (int j = 0; j < GT; ++j) {
+    const __m512 aj = _mm512_set1_ps(alpha[j]);
+    for (int c = 0; c < NV; ++c) sum[j][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * d + 16 * c), aj);
+  }
+  for (int64_t i = 0; i < cnt; ++i) {
+    const cache_t* v = rows[i] + off;
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+    for (int j = 0; j < GT; ++j) {
+      const __m512 w = _mm512_set1_ps(p[j * 16 + i]);
+      for (int c = 0; c < NV; ++c) sum[j][c] = _mm512_fmadd_ps(w, vv[c], sum[j][c]);
+    }
+  }
+  for (int j = 0; j < GT; ++j)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + j * d + 16 * c, sum[j][c]);
+}
+
+// value16 over all of head_dim: 64 dims at a time, then the rest (16-48).
+template <int GT, typename cache_t>
+inline void value16_tiles(const float* p, const cache_t* const* rows, int64_t off, int64_t cnt,
+                          const float* alpha, float* acc, int64_t d) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= d; c0 += 64) value16<GT, 4>(p, rows, off + c0, cnt, alpha, acc + c0, d);
+  switch ((d - c0) / 16) {
+    case 3: value16<GT, 3>(p, rows, off + c0, cnt, alpha, acc + c0, d); break;
+    case 2: value16<GT, 2>(p, rows, off + c0, cnt, alpha, acc + c0, d); break;
+    case 1: value16<GT, 1>(p, rows, off + c0, cnt, alpha, acc + c0, d); break;
+    default: break;
+  }
+}
+
+// The online-softmax step of GT heads over one chunk's scores s (lanes cnt .. 15 masked):
+// soft-cap, the chunk's max against the running max m, p = exp(s - m) into p[j * 16 ..],
+// the lane-wise running sums l[j] = l[j] * alpha + p, alpha[j] = exp(m_old - m_new) (1
+// when the max did not grow, so the accumulator is rescaled only when it must be).
+template <int GT>
+inline void softmax16(__m512* s, __mmask16 valid, float softcap, float* m, __m512* l,
+                      float* alpha, float* p) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < GT; ++j) {
+    if (softcap > 0.f) {  // HF's order: tanh(score / cap) * cap, before the mask
+      alignas(64) float t[16];
+      _mm512_store_ps(t, s[j]);
+      for (float& x : t) x = std::tanh(x / softcap) * softcap;
+      s[j] = _mm512_load_ps(t);
+    }
+    s[j] = _mm512_mask_mov_ps(ninf, valid, s[j]);
+    // The chunk's max only when some score passes the running max (one compare, most
+    // chunks after the first few): then the sums and the accumulator are rescaled.
+    if (_mm512_cmp_ps_mask(s[j], _mm512_set1_ps(m[j]), _CMP_GT_OQ) != 0) {
+      const float cm = _mm512_reduce_max_ps(s[j]);
+      alpha[j] = std::exp(m[j] - cm);  // 0 on the first chunk (m = -inf)
+      m[j] = cm;
+      l[j] = _mm512_mul_ps(l[j], _mm512_set1_ps(alpha[j]));
+    } else {
+      alpha[j] = 1.f;
+    }
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(s[j], _mm512_set1_ps(m[j])));
+    l[j] = _mm512_add_ps(l[j], e);
+    _mm512_storeu_ps(p + 16 * j, e);
+  }
+}
+
+// Asks for one row of `bytes` bytes from p into L2 (prefetcht2): the decode kernel's
+// look-ahead. Into L2 rather than L1: the rows are needed a chunk or two later, and the
+// L1 is the kernel's working set (queries, accumulators, scores).
+template <typename T>
+inline void prefetch_row_l2(const T* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T2);
+}
+
+// One pass over the keys, 16 at a time (the online softmax of flash attention, Dao et al.
+// 2022, section 3.1, per chunk of keys rather than per key): a chunk's K rows give the
+// scores of every query head of each KV head's group (score16, each row read once for the
+// group), then the chunk's V rows update those heads' accumulators (value16), rescaled only
+// when a head's max grew. The cache streams from memory once per step; each chunk asks for
+// the K and V rows kAhead chunks on into L2, a KV head's slice at a time, spread over the
+// arithmetic (one burst of a whole chunk's rows stalls on the core's fill buffers).
 template <typename scalar_t, typename cache_t>
 void run(const DecodeAttention<scalar_t, cache_t>& a) {
+  constexpr int64_t kAhead = 2;  // chunks
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim;
   // A task takes every KV head of its sequence when there are sequences enough to keep
   // the threads busy: its K/V rows are then read whole (num_kv_heads * head_dim values,
@@ -264,82 +418,81 @@ void run(const DecodeAttention<scalar_t, cache_t>& a) {
   const int64_t per_seq = a.num_kv_heads / ht, hg = ht * group;  // query heads a task
   const TaskSplit split(a, ht);
   at::parallel_for(0, split.parts, 1, [&](int64_t pb, int64_t pe) {
-    std::vector<float> q(hg * d), acc(hg * d), scores, inv(hg);
+    std::vector<float> q(hg * d), acc(hg * d), m(hg), alpha(hg), p(hg * 16);
+    std::vector<__m512> l(hg);
     std::vector<const cache_t*> krows, vrows;
+    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(cache_t));
     for (int64_t task = split.begin(pb); task < split.begin(pe); ++task) {
       const int64_t s = task / per_seq, h0 = (task % per_seq) * ht;
       const int64_t len = a.seq_lens[s];
       const int64_t first = a.window > 0 && len > a.window ? len - a.window : 0;
-      const int64_t n = len - first, ld = (n + 15) / 16 * 16;
+      const int64_t n = len - first;
       const int32_t* blocks = a.block_tables + s * a.max_blocks;
       krows.resize(n);
       vrows.resize(n);
-      for (int64_t t = first; t < len; ++t) {  // rows of head h0; head h0 + j is j * kh on
-        const int64_t b = blocks[t / a.block_size], r = t % a.block_size;
-        krows[t - first] = a.k + b * a.kb + r * a.kt + h0 * a.kh;
-        vrows[t - first] = a.v + b * a.vb + r * a.vt + h0 * a.vh;
+      // Rows of head h0 (head h0 + j is j * kh on), a block at a time.
+      for (int64_t t = first; t < len;) {
+        const int64_t block = t / a.block_size, stop = std::min(len, (block + 1) * a.block_size);
+        const cache_t* kb = a.k + blocks[block] * a.kb + h0 * a.kh;
+        const cache_t* vb = a.v + blocks[block] * a.vb + h0 * a.vh;
+        for (int64_t r = t - block * a.block_size; t < stop; ++t, ++r) {
+          krows[t - first] = kb + r * a.kt;
+          vrows[t - first] = vb + r * a.vt;
+        }
       }
-      scores.resize(hg * ld);
       for (int64_t g = 0; g < hg; ++g) {
         const scalar_t* src = a.q + a.row(s) * a.qs + (h0 * group + g) * a.qh;
         for (int64_t e = 0; e < d; ++e) q[g * d + e] = static_cast<float>(src[e]) * a.scale;
       }
-      // Pass 1: scores, 16 keys at a time; the next chunk's K rows and this chunk's V
-      // rows (pass 2's) are asked for ahead (short strided runs the hardware misses).
-      const int64_t kspan = ((ht - 1) * a.kh + d) * static_cast<int64_t>(sizeof(cache_t));
-      const int64_t vspan = ((ht - 1) * a.vh + d) * static_cast<int64_t>(sizeof(cache_t));
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), _mm512_setzero_ps());
+      for (int64_t i = 0; i < std::min<int64_t>(n, 16 * kAhead); ++i) {
+        for (int64_t j = 0; j < ht; ++j) {
+          prefetch_row_l2(krows[i] + j * a.kh, row_bytes);
+          prefetch_row_l2(vrows[i] + j * a.vh, row_bytes);
+        }
+      }
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t cnt = std::min<int64_t>(16, n - t0);
-        for (int64_t i = t0 + 16; i < std::min<int64_t>(n, t0 + 32); ++i)
-          prefetch_rows(krows[i], 1, 0, kspan);
-        for (int64_t i = t0; i < t0 + cnt; ++i) prefetch_rows(vrows[i], 1, 0, vspan);
+        const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
         const cache_t* const* kr = krows.data() + t0;
-        for (int64_t j = 0; j < ht; ++j)
-          for (int64_t g = 0; g < group; g += 4) {
-            const float* qg = &q[(j * group + g) * d];
-            float* out = scores.data() + (j * group + g) * ld + t0;
-            const int64_t off = j * a.kh;
-            switch (std::min<int64_t>(4, group - g)) {
-              case 4: score_chunk<4>(qg, d, kr, off, cnt, out, ld); break;
-              case 3: score_chunk<3>(qg, d, kr, off, cnt, out, ld); break;
-              case 2: score_chunk<2>(qg, d, kr, off, cnt, out, ld); break;
-              default: score_chunk<1>(qg, d, kr, off, cnt, out, ld); break;
+        const cache_t* const* vr = vrows.data() + t0;
+        const int64_t ahead = t0 + 16 * kAhead, ahead_end = std::min<int64_t>(n, ahead + 16);
+        for (int64_t j = 0; j < ht; ++j) {
+          for (int64_t i = ahead; i < ahead_end; ++i) {
+            prefetch_row_l2(krows[i] + j * a.kh, row_bytes);
+            prefetch_row_l2(vrows[i] + j * a.vh, row_bytes);
+          }
+          for (int64_t g = 0; g < group; g += 3) {
+            const int64_t h = j * group + g;  // the task's query head
+            const float* qg = &q[h * d];
+            __m512 sc[3];
+            switch (std::min<int64_t>(3, group - g)) {
+              case 3:
+                score16<3>(qg, d, kr, j * a.kh, cnt, sc);
+                softmax16<3>(sc, valid, a.softcap, &m[h], &l[h], &alpha[h], &p[h * 16]);
+                value16_tiles<3>(&p[h * 16], vr, j * a.vh, cnt, &alpha[h], &acc[h * d], d);
+                break;
+              case 2:
+                score16<2>(qg, d, kr, j * a.kh, cnt, sc);
+                softmax16<2>(sc, valid, a.softcap, &m[h], &l[h], &alpha[h], &p[h * 16]);
+                value16_tiles<2>(&p[h * 16], vr, j * a.vh, cnt, &alpha[h], &acc[h * d], d);
+                break;
+              default:
+                score16<1>(qg, d, kr, j * a.kh, cnt, sc);
+                softmax16<1>(sc, valid, a.softcap, &m[h], &l[h], &alpha[h], &p[h * 16]);
+                value16_tiles<1>(&p[h * 16], vr, j * a.vh, cnt, &alpha[h], &acc[h * d], d);
+                break;
             }
           }
-      }
-      // Softmax numerators per query head, max-subtracted; 1 / sum kept for the end.
-      for (int64_t g = 0; g < hg; ++g) {
-        float* row = &scores[g * ld];
-        if (a.softcap > 0.f)
-          for (int64_t t = 0; t < n; ++t) row[t] = std::tanh(row[t] / a.softcap) * a.softcap;
-        __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        int64_t t = 0;
-        for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(row + t));
-        float m = _mm512_reduce_max_ps(vm);
-        for (; t < n; ++t) m = row[t] > m ? row[t] : m;
-        exp_shifted(row, n, m);
-        __m512 vs = _mm512_setzero_ps();
-        for (t = 0; t + 16 <= n; t += 16) vs = _mm512_add_ps(vs, _mm512_loadu_ps(row + t));
-        float sum = _mm512_reduce_add_ps(vs);
-        for (; t < n; ++t) sum += row[t];
-        inv[g] = n > 0 ? 1.f / sum : 0.f;
-      }
-      // Pass 2: the weighted sum of the values, a register tile of heads x dims at a time.
-      for (int64_t j = 0; j < ht; ++j)
-        for (int64_t g = 0; g < group; g += 4) {
-          const float* p = scores.data() + (j * group + g) * ld;
-          float* out = &acc[(j * group + g) * d];
-          const int64_t off = j * a.vh;
-          switch (std::min<int64_t>(4, group - g)) {
-            case 4: value_tiles<4>(p, ld, vrows.data(), off, n, out, d); break;
-            case 3: value_tiles<3>(p, ld, vrows.data(), off, n, out, d); break;
-            case 2: value_tiles<2>(p, ld, vrows.data(), off, n, out, d); break;
-            default: value_tiles<1>(p, ld, vrows.data(), off, n, out, d); break;
-          }
         }
+      }
       for (int64_t g = 0; g < hg; ++g) {
+        const float sum = _mm512_reduce_add_ps(l[g]);
+        const float inv = n > 0 ? 1.f / sum : 0.f;
         scalar_t* dst = a.out + a.row(s) * a.os + (h0 * group + g) * a.oh;
-        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<scalar_t>(acc[g * d + e] * inv[g]);
+        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<scalar_t>(acc[g * d + e] * inv);
       }
     }
   });
@@ -627,9 +780,11 @@ void prefill_attention_run(const PrefillAttention<cache_t>& a, bool portable = f
 // caches [num_blocks, block_size, num_kv_heads, head_dim] of the query's dtype, or
 // fp16/bf16 under an fp32 query). Checks shapes and dtypes.
 // portable: run the portable kernel even where the blocked one applies (tests).
+// window: keys the query sees, its own included (0: all); softcap: Gemma 2's cap (0: none).
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_tables,
-                            at::Tensor seq_lens, double scale, bool portable = false);
+                            at::Tensor seq_lens, double scale, bool portable = false,
+                            int64_t window = 0, double softcap = 0.0);
 
 // out = paged attention of query chunks (PrefillAttention) for every sequence:
 // query/out [num_tokens, num_heads, head_dim] fp32; caches [num_blocks, block_size,
