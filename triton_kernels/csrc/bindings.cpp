@@ -56,7 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &aioengine::paged_attention_decode, pybind11::arg("out"),
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
-        pybind11::arg("portable") = false, release());
+        pybind11::arg("portable") = false, pybind11::arg("window") = 0,
+        pybind11::arg("softcap") = 0.0, release());
   m.def("paged_attention_prefill", &aioengine::paged_attention_prefill, pybind11::arg("out"),
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
