@@ -209,6 +209,8 @@ def test_packed_default_lm_head_bitwise_and_the_switch(two_threads, restore_gemm
     monkeypatch.setenv("AIOENGINE_AMX", "1")
     monkeypatch.setenv("AIOENGINE_BF16_GEMM", "1")
     holder = type("Model", (), {"lm_head": lm_head})()
+    assert CausalLM.pack_lm_head(holder) is None  # off unless asked for
+    monkeypatch.setenv("AIOENGINE_PACKED_LM_HEAD", "1")
     with caplog.at_level(logging.INFO, logger="aioengine.models.decoder"):
         tiles = CausalLM.pack_lm_head(holder)
     assert tiles is not None and tiles.numel() * 2 == 49152 * 576 * 2

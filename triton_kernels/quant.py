@@ -150,12 +150,15 @@ def _shape(w: Weight) -> tuple[int, int]:
 
 
 def packed_lm_head_requested() -> bool:
-    """``AIOENGINE_PACKED_LM_HEAD`` (default on): whether the model decodes its LM head's
+    """``AIOENGINE_PACKED_LM_HEAD=1`` (default off): whether the model decodes its LM head's
     weight once into AMX bf16 tiles (``pack_amx_tiles``) where the quantized GEMM runs on
     AMX in bf16 (``cpu_ops.amx_requested`` and ``bf16_gemm_requested``), trading 2 bytes a
     parameter of memory (56.6 MB for SmolLM2-135M's 49,152 x 576 head) for a step that
-    loads the tiles instead of decoding the Q8_0 blocks every time."""
-    return os.environ.get("AIOENGINE_PACKED_LM_HEAD", "1").strip().lower() in (
+    loads the tiles instead of decoding the Q8_0 blocks every time. Off by default: in
+    the engine's step the head is read from DRAM after the layers, and twice the bytes
+    cost about what the decode saves (32 rows, 2 threads: 2.9 against 3.1 ms; the head
+    alone, warm in L3: 1.4 against 2.3 ms; bench/README.md)."""
+    return os.environ.get("AIOENGINE_PACKED_LM_HEAD", "0").strip().lower() in (
         "1", "true", "yes", "on")
 
 

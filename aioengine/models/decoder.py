@@ -301,7 +301,8 @@ class CausalLM:
 
     def pack_lm_head(self) -> torch.Tensor | None:
         """The LM head's weight decoded once into the AMX GEMM's bf16 tiles
-        (``quant.pack_amx_tiles``), or None: ``AIOENGINE_PACKED_LM_HEAD=0``, AMX off
+        (``quant.pack_amx_tiles``), or None: not asked for (``AIOENGINE_PACKED_LM_HEAD=1``
+        asks), AMX off
         (``AIOENGINE_AMX=0``) or fp32-grade (``AIOENGINE_BF16_GEMM=0``), no AMX-BF16 on
         this CPU, or a head in another format. A step of 9+ rows then loads the tiles
         instead of decoding the head's blocks (SmolLM2's tied Q8_0 head at 32 rows:
@@ -315,7 +316,7 @@ class CausalLM:
         if tiles is not None:
             rows, cols = self.lm_head.shape
             logger.info("LM head %dx%d %s decoded once into AMX bf16 tiles: %.1f MB more "
-                        "memory (AIOENGINE_PACKED_LM_HEAD=0 decodes it each step instead)",
+                        "memory (AIOENGINE_PACKED_LM_HEAD=1)",
                         rows, cols, weight_format(self.lm_head),
                         tiles.numel() * tiles.element_size() / 1e6)
         return tiles
