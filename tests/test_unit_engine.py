@@ -184,6 +184,21 @@ def test_parent_request_without_seed_leaves_the_draw_to_the_core():
     assert seeds[0] != seeds[1]
 
 
+def test_worker_idle_and_busy_times_are_summed_and_kept_per_step():
+    engine = make_engine()
+    engine.core.executor.idle_s = 0.002
+    engine.add_request("a", prompt(0), GREEDY)
+    engine.add_request("b", prompt(1), GREEDY)
+    run(engine)
+    stats = engine.stats()
+    steps = list(engine.core.recent_steps)
+    assert len(steps) == stats.num_steps == 6  # one prefill + 5 decodes
+    assert steps[0] == (2, 40, 0.002, 0.001)
+    assert all(s == (2, 2, 0.002, 0.001) for s in steps[1:])
+    assert stats.worker_idle_time == pytest.approx(0.002 * 6)
+    assert stats.worker_busy_time == pytest.approx(0.001 * 6)
+
+
 def test_async_engine_streams_and_cancelling_aborts():
     async def go():
         engine = await start_fake_engine()

@@ -198,6 +198,11 @@ def test_health_models_stats_tokenize_detokenize(client):
     stats = client.get("/v1/engine/stats?block_map=1").json()
     assert stats["num_kv_blocks_total"] == 64 and len(stats["block_usage_map"]) == 64
     assert stats["num_requests_finished"] >= 1 and stats["num_running"] == 0
+    assert "recent_steps" not in stats
+    steps = client.get("/v1/engine/stats?steps=1").json()["recent_steps"]
+    # One record per applied step (a step the worker failed is counted, not applied).
+    assert 0 < len(steps) <= stats["num_steps"] and all(s[3] == 0.001 for s in steps)
+    assert stats["worker_busy_time"] == pytest.approx(0.001 * len(steps))
     tokens = client.post("/tokenize", json={"messages": MESSAGES}).json()
     assert tokens["tokens"] == chat_prompt_ids(MESSAGES) and tokens["count"] == len(
         tokens["tokens"]

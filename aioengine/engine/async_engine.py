@@ -65,6 +65,8 @@ _CUMULATIVE_STATS = (
     "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
+    "worker_idle_time",
+    "worker_busy_time",
 )
 
 
@@ -440,6 +442,12 @@ class AsyncEngine:
                 1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts
             )
         return stats
+
+    def recent_steps(self) -> list[tuple[int, int, float, float]]:
+        """The latest steps (at most ``core.RECENT_STEPS``), oldest first: requests,
+        tokens, the worker's idle and busy seconds (``ModelRunnerOutput``)."""
+        assert self.core is not None
+        return list(self.core.core.recent_steps)
 
     # -- draining (graceful shutdown) -------------------------------------------------
     def begin_drain(self) -> None:
