@@ -93,6 +93,8 @@ class FakeExecutor(Executor):
         fail_next: raise ``WorkerDiedError`` at the next step (the worker lives).
         delay_s: seconds each async step takes (to hold requests in flight).
         idle_s: the ``idle_time`` each step reports (seconds).
+        num_submitted: async steps handed to it so far (counted on entry, before
+            ``delay_s``).
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class FakeExecutor(Executor):
         self.fail_next = False
         self.delay_s = 0.0
         self.idle_s = 0.0
+        self.num_submitted = 0
         self.alive = True
         self._tokens: dict[str, list[int]] = {}
         self._seeds: dict[str, int] = {}
@@ -161,6 +164,7 @@ class FakeExecutor(Executor):
         return result
 
     async def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_submitted += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return self.execute_model(scheduler_output)

@@ -222,6 +222,51 @@ def test_async_engine_streams_and_cancelling_aborts():
     asyncio.run(go())
 
 
+def test_the_next_step_is_submitted_before_the_streams_see_this_ones_output():
+    """Issue 16: the stream handlers (JSON, SSE writes) run while the worker
+    computes the next step, not between the steps on the worker's critical path."""
+
+    async def go():
+        engine = await start_fake_engine(make_config(async_scheduling=False))
+        try:
+            executor = engine.executor
+            executor.delay_s = 0.005
+            seen = []
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            async for out in engine.generate("hey", params):
+                seen.append((len(out.outputs[0].token_ids), executor.num_submitted, out.finished))
+            # The k-th token's output reaches the stream once step k + 1 was
+            # handed over (one step per token; none after the last).
+            assert [(k, s) for k, s, done in seen if not done] == [(k, k + 1) for k in range(1, 6)]
+            assert seen[-1] == (6, 6, True)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_a_stream_still_gets_turns_when_the_executor_answers_at_once():
+    """With an executor that never suspends, the step loop still yields once a
+    step, so a stream that is being consumed sees each output in turn."""
+
+    async def go():
+        engine = await start_fake_engine(make_config(async_scheduling=False))
+        try:
+            executor = engine.executor
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            seen = [
+                (len(out.outputs[0].token_ids), executor.num_submitted)
+                async for out in engine.generate("hi", params)
+            ]
+            # Each output is seen before the next step runs (a loop that never
+            # yielded would run all six steps first).
+            assert seen == [(k, k) for k in range(1, 7)]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(go())
+
+
 def test_the_executor_interface_is_enforced():
     class Half(Executor):
         def execute_model(self, scheduler_output):

@@ -70,6 +70,18 @@ _CUMULATIVE_STATS = (
 )
 
 
+class _Flag:
+    """A one-way switch for a loop callback to throw (cheaper than an Event)."""
+
+    __slots__ = ("is_set",)
+
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def set(self) -> None:
+        self.is_set = True
+
+
 class RequestStream:
     """Async iterator of one request's ``RequestOutput``s; the last has ``finished``.
 
@@ -480,12 +492,17 @@ class AsyncEngine:
     async def _step_forever(self) -> None:
         engine = self.core
         assert engine is not None
+        loop = asyncio.get_running_loop()
         while True:
             if not engine.has_unfinished_requests():
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             t0 = time.perf_counter()
+            # Set by the loop only once this task has yielded (the callback runs
+            # after the task suspends): whether the handlers already had a turn.
+            yielded = _Flag()
+            loop.call_soon(yielded.set)
             try:
                 step = await engine.step_async()
             except WorkerDiedError as exc:
@@ -501,8 +518,13 @@ class AsyncEngine:
                 continue
             self._publish(step, time.monotonic())
             engine.core.last_step_time = time.perf_counter() - t0
-            # Let handlers run between steps even when the executor answered at once.
-            await asyncio.sleep(0)
+            # The streams' handlers (JSON, SSE writes) run while the worker
+            # computes the next step: the next ``step_async`` schedules and
+            # submits it before its first suspension. Yielding here instead would
+            # put all of them on the worker's critical path (issue 16). Only when
+            # the executor answered without suspending do they get a turn here.
+            if not yielded.is_set:
+                await asyncio.sleep(0)
 
     @staticmethod
     async def _wait_for_work(engine: LLMEngine) -> None:
