@@ -245,6 +245,52 @@ def test_the_next_step_is_submitted_before_the_streams_see_this_ones_output():
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("stop", [[], ["\x00never"]])
+def test_outputs_are_processed_after_the_next_submit_unless_a_stop_string_may_end_one(stop):
+    """Without stop strings, detokenizing a step waits until the next step was
+    handed to the worker; with one, it runs first, so a stop ends the request
+    before the next step is scheduled."""
+
+    async def go():
+        engine = await start_fake_engine(make_config(async_scheduling=False))
+        try:
+            executor = engine.executor
+            executor.delay_s = 0.005
+            processor = engine.core.output_processor
+            process, at = processor.process_outputs, []
+
+            def spy(core_outputs):
+                at.append(executor.num_submitted)
+                return process(core_outputs)
+
+            processor.process_outputs = spy
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=stop)
+            async for _ in engine.generate("hey", params):
+                pass
+            assert at == ([2, 3, 4, 4] if not stop else [1, 2, 3, 4])
+            assert not processor.can_finish_requests
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_can_finish_requests_counts_live_requests_with_stop_strings():
+    engine = make_engine()
+    processor = engine.output_processor
+    engine.add_request("a", prompt(0), SamplingParams(max_tokens=3, stop=["zz"]))
+    engine.add_request("b", prompt(1), SamplingParams(max_tokens=3, stop=["zz"], n=2))
+    engine.add_request("c", prompt(2), GREEDY)
+    assert processor.can_finish_requests
+    engine.abort_request("a")
+    assert processor.can_finish_requests
+    run(engine)  # b and c finish
+    assert not processor.can_finish_requests
+    engine.add_request("d", prompt(3), SamplingParams(max_tokens=3, stop=["zz"]))
+    engine.fail_all("gone")
+    assert not processor.can_finish_requests
+
+
 def test_a_stream_still_gets_turns_when_the_executor_answers_at_once():
     """With an executor that never suspends, the step loop still yields once a
     step, so a stream that is being consumed sees each output in turn."""
@@ -258,9 +304,9 @@ def test_a_stream_still_gets_turns_when_the_executor_answers_at_once():
                 (len(out.outputs[0].token_ids), executor.num_submitted)
                 async for out in engine.generate("hi", params)
             ]
-            # Each output is seen before the next step runs (a loop that never
-            # yielded would run all six steps first).
-            assert seen == [(k, k) for k in range(1, 7)]
+            # Each output is seen once the step after it was submitted, not later
+            # (a loop that never yielded would run all six steps first).
+            assert seen == [(k, min(k + 1, 6)) for k in range(1, 7)]
         finally:
             await engine.shutdown()
 

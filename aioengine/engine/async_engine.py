@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from aioengine.config import EngineConfig
 from aioengine.engine.beam_search import BeamSearchParams
-from aioengine.engine.core import EngineStats
+from aioengine.engine.core import EngineCoreOutputs, EngineStats
 from aioengine.engine.input_processor import InputProcessor
 from aioengine.engine.llm_engine import EngineStep, LLMEngine
 from aioengine.engine.parallel_sampling import parent_request_id
@@ -504,7 +504,7 @@ class AsyncEngine:
             yielded = _Flag()
             loop.call_soon(yielded.set)
             try:
-                step = await engine.step_async()
+                core_outputs = await engine.step_core_async()
             except WorkerDiedError as exc:
                 if self.executor is None or not self.executor.is_alive():
                     self._worker_died(str(exc))
@@ -513,18 +513,39 @@ class AsyncEngine:
                 logger.error("model step failed: %s", exc)
                 self._fail_all(f"engine error: {exc}")
                 continue
-            if not step.executed:
+            if not core_outputs.executed:
                 await self._wait_for_work(engine)
                 continue
-            self._publish(step, time.monotonic())
+            now = time.monotonic()
+            if engine.output_processor.can_finish_requests:
+                # A stop string may end a request: the core must know before
+                # the next step is scheduled.
+                self._publish(engine.process(core_outputs), now)
+            else:
+                # Detokenizing and publishing change nothing the next step's
+                # scheduling reads: they run once this task has submitted that
+                # step and suspends (callbacks run in order, so streams get
+                # their outputs in step order), off the worker's critical path.
+                loop.call_soon(self._process_and_publish, engine, core_outputs, now)
             engine.core.last_step_time = time.perf_counter() - t0
             # The streams' handlers (JSON, SSE writes) run while the worker
-            # computes the next step: the next ``step_async`` schedules and
+            # computes the next step: the next ``step_core_async`` schedules and
             # submits it before its first suspension. Yielding here instead would
             # put all of them on the worker's critical path (issue 16). Only when
             # the executor answered without suspending do they get a turn here.
             if not yielded.is_set:
                 await asyncio.sleep(0)
+
+    def _process_and_publish(
+        self, engine: LLMEngine, core_outputs: EngineCoreOutputs, now: float
+    ) -> None:
+        """A step's outputs through the output processor to the streams, as a loop
+        callback; a failure there is an engine error, as in the step loop."""
+        try:
+            self._publish(engine.process(core_outputs), now)
+        except Exception as exc:
+            logger.exception("engine step failed")
+            self._worker_died(f"engine error: {exc!r}")
 
     @staticmethod
     async def _wait_for_work(engine: LLMEngine) -> None:
