@@ -11,6 +11,7 @@ gone, cancel) aborts the request and frees its blocks at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib
 import logging
 import time
@@ -156,6 +157,11 @@ class AsyncEngine:
         self.core: LLMEngine | None = None
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
+        # Steps whose outputs wait for a loop callback to process them, oldest
+        # first (``_step_forever``); whoever processes outputs drains this first.
+        self._deferred: collections.deque[tuple[LLMEngine, EngineCoreOutputs, float]] = (
+            collections.deque()
+        )
         self._step_task: asyncio.Task | None = None
         self._counter = 0
         self.started_at = time.time()
@@ -506,6 +512,8 @@ class AsyncEngine:
             try:
                 core_outputs = await engine.step_core_async()
             except WorkerDiedError as exc:
+                # The steps before this one produced real tokens: deliver them first.
+                self._drain_deferred()
                 if self.executor is None or not self.executor.is_alive():
                     self._worker_died(str(exc))
                     return
@@ -519,14 +527,17 @@ class AsyncEngine:
             now = time.monotonic()
             if engine.output_processor.can_finish_requests:
                 # A stop string may end a request: the core must know before
-                # the next step is scheduled.
+                # the next step is scheduled. Earlier deferred steps go first: a
+                # step that never suspended has not let their callbacks run.
+                self._drain_deferred()
                 self._publish(engine.process(core_outputs), now)
             else:
                 # Detokenizing and publishing change nothing the next step's
                 # scheduling reads: they run once this task has submitted that
                 # step and suspends (callbacks run in order, so streams get
                 # their outputs in step order), off the worker's critical path.
-                loop.call_soon(self._process_and_publish, engine, core_outputs, now)
+                self._deferred.append((engine, core_outputs, now))
+                loop.call_soon(self._drain_deferred)
             engine.core.last_step_time = time.perf_counter() - t0
             # The streams' handlers (JSON, SSE writes) run while the worker
             # computes the next step: the next ``step_core_async`` schedules and
@@ -536,16 +547,19 @@ class AsyncEngine:
             if not yielded.is_set:
                 await asyncio.sleep(0)
 
-    def _process_and_publish(
-        self, engine: LLMEngine, core_outputs: EngineCoreOutputs, now: float
-    ) -> None:
-        """A step's outputs through the output processor to the streams, as a loop
-        callback; a failure there is an engine error, as in the step loop."""
-        try:
-            self._publish(engine.process(core_outputs), now)
-        except Exception as exc:
-            logger.exception("engine step failed")
-            self._worker_died(f"engine error: {exc!r}")
+    def _drain_deferred(self) -> None:
+        """Deferred steps' outputs through the output processor to the streams,
+        oldest first (a loop callback, or before a step's outputs are processed at
+        once); a failure there is an engine error, as in the step loop."""
+        while self._deferred:
+            engine, core_outputs, now = self._deferred.popleft()
+            try:
+                self._publish(engine.process(core_outputs), now)
+            except Exception as exc:
+                self._deferred.clear()
+                logger.exception("engine step failed")
+                self._worker_died(f"engine error: {exc!r}")
+                return
 
     @staticmethod
     async def _wait_for_work(engine: LLMEngine) -> None:
