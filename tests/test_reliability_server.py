@@ -175,7 +175,8 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_400(rserver):
     r = httpx.post(url, headers=rserver.headers, json=chat("word " * 400, max_tokens=None),
                    timeout=30)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "prompt"
+    # A chat request has no "prompt" field: the error names the one it has.
+    assert r.json()["error"]["param"] == "messages"
 
 
 def test_absent_max_tokens_means_the_rest_of_the_context(rserver):

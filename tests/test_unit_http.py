@@ -156,6 +156,13 @@ def test_stop_string_cuts_the_text_streamed_or_not(client):
         ("/v1/completions", {"prompt": [[]], "max_tokens": 1}, 400, "prompt"),
         ("/v1/completions", {"prompt": [999_999], "max_tokens": 1}, 400, "prompt"),
         ("/v1/chat/completions", {"messages": [], "max_tokens": 1}, 400, "messages"),
+        # A chat prompt beyond the context is its rendered messages: that field is named.
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * 600}], "max_tokens": None},
+            400,
+            "messages",
+        ),
         ("/v1/chat/completions", {"model": "other", "messages": MESSAGES}, 404, "model"),
     ],
 )
@@ -163,6 +170,12 @@ def test_bad_requests_get_openai_errors(client, path, body, status, param):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     assert_openai_error(client.post(path, **kwargs), status, param)
     assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_context_errors_count_tokens_in_words():
+    from aioengine.engine.input_processor import _tokens
+
+    assert (_tokens(1), _tokens(0), _tokens(5)) == ("1 token", "0 tokens", "5 tokens")
 
 
 def test_unknown_route_is_404_and_wrong_method_405(client):

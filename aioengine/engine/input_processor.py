@@ -94,7 +94,7 @@ class InputProcessor:
         if num_prompt_tokens >= self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {num_prompt_tokens} tokens, leaving no room to generate",
+                f"prompt has {_tokens(num_prompt_tokens)}, leaving no room to generate",
                 "prompt",
             )
         max_tokens = (
@@ -105,12 +105,12 @@ class InputProcessor:
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds it",
+                f"prompt ({_tokens(num_prompt_tokens)}) plus max_tokens ({max_tokens}) exceeds it",
                 "max_tokens",
             )
         if cdiv(num_prompt_tokens + max_tokens, self.block_size) > self.num_blocks:
             raise RequestRejected(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
+                f"the prompt ({_tokens(num_prompt_tokens)}) plus max_tokens ({max_tokens}) needs "
                 f"more KV blocks than the whole cache holds ({self.num_blocks} blocks of "
                 f"{self.block_size} tokens)",
                 "max_tokens",
@@ -152,3 +152,8 @@ class InputProcessor:
             cache_salt,
             time.monotonic() if arrival_time is None else arrival_time,
         )
+
+
+def _tokens(n: int) -> str:
+    """``"1 token"``, ``"5 tokens"``: counts in error messages."""
+    return f"{n} token" if n == 1 else f"{n} tokens"

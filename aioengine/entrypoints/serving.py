@@ -237,7 +237,10 @@ class OpenAIServing:
                                            priority=request.priority or 0,
                                            cache_salt=request.cache_salt)
         except (RequestRejected, SamplingParamError) as exc:
-            raise APIError(400, str(exc), exc.param, "invalid_value") from None
+            # A chat request's prompt is its rendered ``messages``: name the field it has.
+            param = "messages" if exc.param == "prompt" and hasattr(request, "messages") else (
+                exc.param)
+            raise APIError(400, str(exc), param, "invalid_value") from None
         except SchedulerQueueFull as exc:
             raise APIError(429, f"the server is busy ({exc}); retry later", None, "queue_full",
                            retry_after=QUEUE_FULL_RETRY_AFTER_S) from None

@@ -256,7 +256,8 @@ class ModelRunner:
         if on_cuda:
             self.model.to_device(self.device)  # the RoPE tables and embedding scale
         formats = ", ".join(f"{k} x{v}" for k, v in self.model.weight_formats().items())
-        logger.info("weights: %s (%.1f MB%s), loaded in %.2f s", formats,
+        logger.info("weights as held (fused Q/K/V and gate/up count once): %s (%.1f MB%s), "
+                    "loaded in %.2f s", formats,
                     self.model.parameter_bytes() / 1e6,
                     ", mapped from the file" if path.endswith(".gguf") else "", t_weights)
         self.block_size = config.cache.block_size
