@@ -159,15 +159,17 @@ def bf16_gemm_requested() -> bool:
 
 
 def set_amx(on: bool) -> bool:
-    """Allow or forbid the AMX GEMM from the next call on (the fused decode step's too);
-    returns whether AMX is now in use. Off, every GEMM runs the exact fp32 AVX-512 path."""
+    """Allow or forbid the AMX GEMM and the AMX prefill attention tiles from the next call on
+    (the fused decode step's too); returns whether AMX is now in use. Off, every GEMM runs
+    the exact fp32 AVX-512 path and prefill attention its fp32 AVX-512 tiles."""
     ops = load()
     return bool(ops is not None and ops.set_amx(on))
 
 
 def set_bf16_gemm(on: bool) -> bool:
-    """The AMX GEMM in bf16 (True, the default) or fp32-grade bf16 hi + lo (False); returns
-    whether an AMX GEMM exists here to switch (False: the setting is moot)."""
+    """The AMX GEMM (and the AMX prefill attention tiles) in bf16 (True, the default) or
+    fp32-grade bf16 hi + lo (False); returns whether an AMX GEMM exists here to switch
+    (False: the setting is moot)."""
     ops = load()
     if ops is None:
         return False
@@ -508,7 +510,9 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     """Paged attention of query chunks, causal over each sequence's cached prefix and its
     chunk, in C++ (``csrc/attention.h`` ``PrefillAttention``: per sequence, KV head and tile
     of up to 16 query tokens, flash-attention's online softmax over spans of 256 keys,
-    Dao et al. 2022, section 3.1).
+    Dao et al. 2022, section 3.1). On a CPU with AMX-BF16 and the AMX switch on
+    (``set_amx``, ``AIOENGINE_AMX``) the products run on AMX tiles, in bf16 or, with
+    ``set_bf16_gemm(False)``, fp32-grade hi + lo (``prefill_amx``); otherwise in fp32.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` fp32.
