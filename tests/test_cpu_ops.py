@@ -208,10 +208,10 @@ def amx_attention():
     ops = cpu_ops.load()
     if ops.quant_isa() != 3:
         pytest.skip("no AMX-BF16 on this CPU (or the OS refused its tile state)")
-    before = ops.bf16_gemm()
+    before = ops.bf16_attention()
     cpu_ops.set_amx(True)
     yield ops
-    ops.set_bf16_gemm(before)
+    ops.set_bf16_attention(before)
     cpu_ops.set_amx(cpu_ops.amx_requested())
 
 
@@ -223,12 +223,12 @@ def test_prefill_amx_tiles_equal_the_torch_reference(num_heads, num_kv_heads, he
     # The AMX-BF16 prefill tiles (csrc/attention.h prefill_amx) against the torch oracle:
     # groups 1/3/8, head_dim 64/80 (a half-filled 32-dim chunk)/128, fp32/fp16/bf16 caches,
     # padded block tables, causal, window and soft-cap masks, 1 and 2 threads, both
-    # precisions. fp32-grade (set_bf16_gemm(False): hi + lo operands, three products a
-    # tile) on sharpened scores (scale x 4), where a dropped span or a wrong mask is far
-    # off, within 2e-4 (the lo * lo terms left out, 2^-16 of a product, on scores up to
-    # ~20). Plain bf16 (the default): Q, K, P and V rounded to 8 significant bits, relative
-    # error 2^-8 each, so the output is within two bf16 roundings of the largest |v|
-    # (2 * 2^-8 * max|v|) at the model's scale.
+    # precisions. fp32-grade (the default: hi + lo operands, three products a tile) on
+    # sharpened scores (scale x 4), where a dropped span or a wrong mask is far off, within
+    # 2e-4 (the lo * lo terms left out, 2^-16 of a product, on scores up to ~20). Plain
+    # bf16 (set_bf16_attention(True)): Q, K, P and V rounded to 8 significant bits,
+    # relative error 2^-8 each, so the output is within two bf16 roundings of the largest
+    # |v| (2 * 2^-8 * max|v|) at the model's scale.
     from types import SimpleNamespace
 
     from aioengine.models.layers.attention import windowed_paged_attention
@@ -246,7 +246,7 @@ def test_prefill_amx_tiles_equal_the_torch_reference(num_heads, num_kv_heads, he
     threads = torch.get_num_threads()
     try:
         for bf16, sharpen, atol in ((False, 4, 2e-4), (True, 1, bf16_atol)):
-            amx_attention.set_bf16_gemm(bf16)
+            amx_attention.set_bf16_attention(bf16)
             scale = batch["scale"] * sharpen
             for window, softcap in ((None, None), (24, None), (None, 1.5), (16, 2.0)):
                 if window is None and softcap is None:

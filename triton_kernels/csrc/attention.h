@@ -751,12 +751,12 @@ void run_task(const PrefillAttention<cache_t>& a, const Task& task, std::vector<
 //       code: causal mask, window and soft-cap alike)
 //   acc = acc * alpha + P V           A = P; B = V in pair layout (keys 2j, 2j + 1 of a
 //                                         row interleaved), built per 32 keys
-// Precision follows the AMX GEMM's switch (set_bf16_gemm): plain bf16 (the default; Q, K,
-// P and V rounded to 8 significant bits, 2^-8 relative each, sums in fp32: the rounding
-// the GEMMs around it apply to their activations), or x3 (off): each operand split into
-// bf16 hi + lo = bf16(v - hi) and hi hi + lo hi + hi lo summed (Henry et al. 2019, as
-// quant_amx.h), a product within ~2^-16 of fp32, fp32-grade; a bf16 cache's K and V are
-// exact in bf16 and have no lo. head_dim a multiple of 16 (80: the third 32-dim chunk
+// Precision (set_bf16_attention): x3, the default: each operand split into bf16 hi + lo =
+// bf16(v - hi) and hi hi + lo hi + hi lo summed (Henry et al. 2019, as quant_amx.h), a
+// product within ~2^-16 of fp32, fp32-grade (an fp32 model's logprobs stay within 1e-4 of
+// HF's, tests/test_hf_parity.py); a bf16 cache's K and V are exact in bf16 and have no lo.
+// Or plain bf16 (opt-in): Q, K, P and V rounded to 8 significant bits, 2^-8 relative each,
+// one product a tile, 1.3-1.5x faster; that moved a logprob of the fp32 model by 0.01. head_dim a multiple of 16 (80: the third 32-dim chunk
 // half zeros). Tiles: amx::tile_begin's configuration (8 tiles of 16 rows x 64 bytes);
 // the products in 2 x 2 blocks (tile_quad): tmm0-3 C, tmm4/5 A, tmm6/7 B.
 namespace prefill_amx {
@@ -1090,6 +1090,11 @@ inline bool prefill_attention_blocked(const PrefillAttention<cache_t>& a) {
 #endif
 }
 
+// The AMX prefill tiles' precision from the next call on: plain bf16 operands (true) or
+// fp32-grade hi + lo (false, the default); see prefill_amx. Returns the previous setting.
+bool set_bf16_attention(bool on);
+bool bf16_attention();
+
 // Whether the AMX tiles take this call (prefill_amx): the AVX-512 tiles would (head_dim a
 // multiple of 16), the build has AMX-BF16 code, the CPU and OS run it (amx::available) and
 // the AMX switch is on (set_amx, AIOENGINE_AMX: the one the GEMM follows; off, every
@@ -1141,7 +1146,7 @@ void prefill_attention_run(const PrefillAttention<cache_t>& a, bool portable = f
   const bool blocked = !portable && prefill_attention_blocked(a);
 #if defined(AIOENGINE_PREFILL_AMX)
   if (blocked && prefill_attention_amx(a)) {
-    const bool x3 = !bf16_gemm();  // the GEMM's precision switch (set_bf16_gemm)
+    const bool x3 = !bf16_attention();
     at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
       prefill_amx::Scratch w;
       amx::tile_begin();  // this thread's tiles: another kernel or library may have left others
