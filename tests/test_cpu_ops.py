@@ -194,6 +194,101 @@ def test_prefill_kernel_equals_the_torch_reference(num_heads, num_kv_heads, head
         torch.set_num_threads(threads)
 
 
+# (q_len, seq_len) for the AMX prefill tiles: chunk lengths 1..40 with tails that are not
+# a multiple of the 16-token tile, prefixes 0..600 (block-aligned 256, partial 53 - 16,
+# 333 - 33, 600 with 40 new tokens: three 256-key spans), and 1-token rows among them.
+AMX_PREFILL_CHUNKS = [(5, 5), (16, 53), (1, 90), (40, 40), (33, 333), (17, 33), (1, 1),
+                      (40, 640), (9, 265), (23, 23)]
+
+
+@pytest.fixture
+def amx_attention():
+    """The AMX switch on for the test (the suite runs with it off), settings restored after;
+    skips where the CPU has no AMX-BF16."""
+    ops = cpu_ops.load()
+    if ops.quant_isa() != 3:
+        pytest.skip("no AMX-BF16 on this CPU (or the OS refused its tile state)")
+    before = ops.bf16_attention()
+    cpu_ops.set_amx(True)
+    yield ops
+    ops.set_bf16_attention(before)
+    cpu_ops.set_amx(cpu_ops.amx_requested())
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (16, 2)])
+def test_prefill_amx_tiles_equal_the_torch_reference(num_heads, num_kv_heads, head_dim,
+                                                     cache_dtype, amx_attention):
+    # The AMX-BF16 prefill tiles (csrc/attention.h prefill_amx) against the torch oracle:
+    # groups 1/3/8, head_dim 64/80 (a half-filled 32-dim chunk)/128, fp32/fp16/bf16 caches,
+    # padded block tables, causal, window and soft-cap masks, 1 and 2 threads, both
+    # precisions. fp32-grade (the default: hi + lo operands, three products a tile) on
+    # sharpened scores (scale x 4), where a dropped span or a wrong mask is far off, within
+    # 2e-4 (the lo * lo terms left out, 2^-16 of a product, on scores up to ~20). Plain
+    # bf16 (set_bf16_attention(True)): Q, K, P and V rounded to 8 significant bits,
+    # relative error 2^-8 each, so the output is within two bf16 roundings of the largest
+    # |v| (2 * 2^-8 * max|v|) at the model's scale.
+    from types import SimpleNamespace
+
+    from aioengine.models.layers.attention import windowed_paged_attention
+
+    q_lens, seq_lens = zip(*AMX_PREFILL_CHUNKS, strict=True)
+    batch = make_batch(list(q_lens), list(seq_lens), num_heads, num_kv_heads, 16,
+                       head_dim=head_dim, seed=head_dim + num_heads)
+    for name in ("key_cache", "value_cache"):
+        batch[name] = batch[name].to(cache_dtype)
+    block_tables = batch["block_tables"].clamp(max=batch["key_cache"].shape[0] - 1)
+    attn = SimpleNamespace(cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"],
+                           block_tables=block_tables)
+    key_cache, value_cache = batch["key_cache"].float(), batch["value_cache"].float()
+    bf16_atol = 2 * 2.0**-8 * value_cache.abs().max().item()
+    threads = torch.get_num_threads()
+    try:
+        for bf16, sharpen, atol in ((False, 4, 2e-4), (True, 1, bf16_atol)):
+            amx_attention.set_bf16_attention(bf16)
+            scale = batch["scale"] * sharpen
+            for window, softcap in ((None, None), (24, None), (None, 1.5), (16, 2.0)):
+                if window is None and softcap is None:
+                    expected = reference.paged_attention(
+                        batch["query"], key_cache, value_cache, block_tables,
+                        batch["cu_seqlens_q"], batch["seq_lens"], scale,
+                        batch["max_seqlen_q"], batch["max_seqlen_k"])
+                else:
+                    expected = windowed_paged_attention(batch["query"], key_cache,
+                                                        value_cache, attn, scale, window,
+                                                        softcap)
+                for num_threads in (1, 2):
+                    torch.set_num_threads(num_threads)
+                    out = cpu_ops.prefill_attention(
+                        batch["query"], batch["key_cache"], batch["value_cache"],
+                        block_tables, batch["seq_lens"], batch["cu_seqlens_q"], scale,
+                        window, softcap)
+                    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_amx_tiles_read_only_the_sequence_tokens(amx_attention):
+    # The AMX tiles pad partial key groups, chunks and head dims with zeros rather than
+    # reading past a sequence's keys: NaN in every other slot changes nothing.
+    q_lens, seq_lens = [7, 20, 1], [7, 45, 30]
+    batch = make_batch(q_lens, seq_lens, 9, 3, 16, head_dim=80)
+    block_tables = batch["block_tables"].clamp(max=batch["key_cache"].shape[0] - 1)
+    args = (block_tables, batch["seq_lens"], batch["cu_seqlens_q"], batch["scale"])
+    clean = cpu_ops.prefill_attention(batch["query"], batch["key_cache"],
+                                      batch["value_cache"], *args)
+    for cache in (batch["key_cache"], batch["value_cache"]):
+        used = torch.zeros(cache.shape[:2], dtype=torch.bool)
+        for i, n in enumerate(seq_lens):
+            for p in range(n):
+                used[int(block_tables[i, p // 16]), p % 16] = True
+        cache[~used] = float("nan")
+    poisoned = cpu_ops.prefill_attention(batch["query"], batch["key_cache"],
+                                         batch["value_cache"], *args)
+    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+
+
 def test_decode_kernel_reads_only_the_sequence_tokens():
     # NaN in every slot past each sequence's length and in unused blocks: a kernel that
     # read them would return NaN.

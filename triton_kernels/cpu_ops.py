@@ -159,8 +159,9 @@ def bf16_gemm_requested() -> bool:
 
 
 def set_amx(on: bool) -> bool:
-    """Allow or forbid the AMX GEMM from the next call on (the fused decode step's too);
-    returns whether AMX is now in use. Off, every GEMM runs the exact fp32 AVX-512 path."""
+    """Allow or forbid the AMX GEMM and the AMX prefill attention tiles from the next call on
+    (the fused decode step's too); returns whether AMX is now in use. Off, every GEMM runs
+    the exact fp32 AVX-512 path and prefill attention its fp32 AVX-512 tiles."""
     ops = load()
     return bool(ops is not None and ops.set_amx(on))
 
@@ -173,6 +174,25 @@ def set_bf16_gemm(on: bool) -> bool:
         return False
     ops.set_bf16_gemm(on)
     return ops.quant_isa() == 3
+
+
+def bf16_attention_requested() -> bool:
+    """``AIOENGINE_BF16_ATTENTION`` (default off): whether the AMX prefill attention tiles
+    (``csrc/attention.h`` ``prefill_amx``) take plain bf16 Q, K, P and V (one tile product;
+    1.3-1.5x the fp32-grade mode, bench/README.md) instead of fp32-grade bf16 hi + lo. Off
+    by default: plain bf16 moved a logprob of the fp32 HF model by 0.01 against the 1e-4
+    tests/test_hf_parity.py holds it to."""
+    return _env_flag("AIOENGINE_BF16_ATTENTION", "0")
+
+
+def set_bf16_attention(on: bool) -> bool:
+    """The AMX prefill attention tiles in plain bf16 (True) or fp32-grade hi + lo (False)
+    from the next call on; returns whether the extension is loaded to switch."""
+    ops = load()
+    if ops is None:
+        return False
+    ops.set_bf16_attention(on)
+    return True
 
 
 def build_allowed() -> bool:
@@ -226,6 +246,7 @@ def load():
                         logger.info("quantized GEMV: int8 activations (AVX-512 VNNI, "
                                     "AIOENGINE_Q8_ACTIVATIONS=1)")
                 _module.set_bf16_gemm(bf16_gemm_requested())
+                _module.set_bf16_attention(bf16_attention_requested())
                 if _module.set_amx(amx_requested()):
                     logger.info("quantized GEMM: AMX-BF16 tiles, %s",
                                 "bf16" if bf16_gemm_requested()
@@ -508,7 +529,10 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     """Paged attention of query chunks, causal over each sequence's cached prefix and its
     chunk, in C++ (``csrc/attention.h`` ``PrefillAttention``: per sequence, KV head and tile
     of up to 16 query tokens, flash-attention's online softmax over spans of 256 keys,
-    Dao et al. 2022, section 3.1).
+    Dao et al. 2022, section 3.1). On a CPU with AMX-BF16 and the AMX switch on
+    (``set_amx``, ``AIOENGINE_AMX``) the products run on AMX tiles (``prefill_amx``),
+    fp32-grade bf16 hi + lo or, with ``set_bf16_attention(True)``, plain bf16; otherwise in
+    fp32.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` fp32.

@@ -4,7 +4,18 @@
 
 #include <ATen/Dispatch.h>
 
+#include <atomic>
+
 namespace aioengine {
+
+namespace {
+std::atomic<bool> bf16_attention_on{false};
+}  // namespace
+
+bool set_bf16_attention(bool on) { return bf16_attention_on.exchange(on); }
+
+bool bf16_attention() { return bf16_attention_on.load(); }
+
 namespace {
 
 // The operands DecodeAttention and PrefillAttention share (attention.h): pointers and

@@ -17,6 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_amx.h"
+#include "quant_ops.h"
 #include "simd.h"
 
 namespace aioengine {
@@ -541,8 +543,10 @@ void decode_attention_run(const DecodeAttention<scalar_t, cache_t>& a, bool port
 // q_len = query_start[s + 1] - query_start[s] positions, seq_len - q_len .. seq_len - 1,
 // already written to the cache; the query at position p sees keys 0 .. p (causal within
 // the chunk, the cached prefix whole), or p - window + 1 .. p with a sliding window.
-// Read in place through the block table, as the decode kernel. Scores, softmax and sums
-// in fp32; the query's dtype is fp32, the cache's fp32, fp16 or bf16.
+// Read in place through the block table, as the decode kernel. Softmax and sums in fp32;
+// the products in fp32 (AVX-512 tiles, portable loops) or on AMX-BF16 tiles where the CPU
+// has them and the AMX switch is on (prefill_amx: bf16 operands, or fp32-grade hi + lo);
+// the query's dtype is fp32, the cache's fp32, fp16 or bf16.
 template <typename cache_t>
 struct PrefillAttention {
   const float* q;
@@ -594,6 +598,44 @@ inline float span_sum(const float* x, int64_t lo, int64_t hi) {
 #endif
   for (; t < hi; ++t) s += x[t];
   return s;
+}
+
+// Soft-cap, mask and the online softmax's update (m_i, l_i, the accumulator's rescale
+// alpha) for `rows` rows of a span's scores, keys t0 .. t0 + n - 1, in place: row r is
+// the query at position pos0 + r / group, which sees keys lo(r) .. pos0 + r / group
+// (lo(r) = 0, or pos - window + 1 with a sliding window); afterwards row r holds
+// exp(score - m_new) for the keys it sees and 0 elsewhere (lanes n .. ld - 1 untouched).
+inline void softmax_span(float* scores, int64_t ld, int64_t rows, int64_t n, int64_t t0,
+                         int64_t pos0, int64_t group, int64_t window, float softcap, float* m,
+                         float* l, float* alpha) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * ld;
+    const int64_t pos = pos0 + r / group;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0};
+    if (softcap > 0.f)
+      for (int64_t t = 0; t < n; ++t) row[t] = std::tanh(row[t] / softcap) * softcap;
+    const int64_t allow_lo = std::max<int64_t>(lo - t0, 0);
+    const int64_t allow_hi = std::min<int64_t>(pos + 1 - t0, n);  // exclusive
+    if (allow_lo >= allow_hi) {  // nothing of this span is seen by row r
+      std::fill(row, row + n, 0.f);
+      alpha[r] = 1.f;
+      continue;
+    }
+    const float m_new = std::max(m[r], span_max(row, allow_lo, allow_hi));
+    if (m_new == -std::numeric_limits<float>::infinity()) {
+      std::fill(row, row + n, 0.f);
+      alpha[r] = 1.f;
+      continue;
+    }
+    // Masked keys weigh 0; only the keys row r sees are exponentiated.
+    std::fill(row, row + allow_lo, 0.f);
+    std::fill(row + allow_hi, row + n, 0.f);
+    exp_shifted(row + allow_lo, allow_hi - allow_lo, m_new);
+    const float sum = span_sum(row, allow_lo, allow_hi);
+    alpha[r] = std::exp(m[r] - m_new);  // 0 on the first span a row sees
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = m_new;
+  }
 }
 
 // A task: one KV head of one sequence and a tile of its chunk's tokens.
@@ -664,33 +706,8 @@ void run_task(const PrefillAttention<cache_t>& a, const Task& task, std::vector<
       for (int64_t t = 0; t < n; ++t)
         for (int64_t r = 0; r < rows; ++r) scores[r * ld + t] = dot(&q[r * d], krows[t], d);
     }
-    // Soft-cap, mask, and the online softmax's update per row.
-    for (int64_t r = 0; r < rows; ++r) {
-      float* row = &scores[r * ld];
-      if (a.softcap > 0.f)
-        for (int64_t t = 0; t < n; ++t) row[t] = std::tanh(row[t] / a.softcap) * a.softcap;
-      const int64_t allow_lo = std::max<int64_t>(lo(r) - t0, 0);
-      const int64_t allow_hi = std::min<int64_t>(pos(r) + 1 - t0, n);  // exclusive
-      if (allow_lo >= allow_hi) {  // nothing of this span is seen by row r
-        std::fill(row, row + n, 0.f);
-        alpha[r] = 1.f;
-        continue;
-      }
-      const float m_new = std::max(m[r], span_max(row, allow_lo, allow_hi));
-      if (m_new == -std::numeric_limits<float>::infinity()) {
-        std::fill(row, row + n, 0.f);
-        alpha[r] = 1.f;
-        continue;
-      }
-      // Masked keys weigh 0; only the keys row r sees are exponentiated.
-      std::fill(row, row + allow_lo, 0.f);
-      std::fill(row + allow_hi, row + n, 0.f);
-      exp_shifted(row + allow_lo, allow_hi - allow_lo, m_new);
-      const float sum = span_sum(row, allow_lo, allow_hi);
-      alpha[r] = std::exp(m[r] - m_new);  // 0 on the first span a row sees
-      l[r] = l[r] * alpha[r] + sum;
-      m[r] = m_new;
-    }
+    softmax_span(scores.data(), ld, rows, n, t0, prefix + task.first, group, a.window,
+                 a.softcap, m.data(), l.data(), alpha.data());
     // part = P V over the span, then acc = acc * alpha + part.
 #if defined(__AVX512F__)
     if constexpr (BLOCKED) {
@@ -724,6 +741,350 @@ void run_task(const PrefillAttention<cache_t>& a, const Task& task, std::vector<
 
 }  // namespace prefill_attn
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__) && defined(__linux__)
+#define AIOENGINE_PREFILL_AMX 1
+// The prefill tile products on AMX-BF16 (Sapphire Rapids and later; TDPBF16PS multiplies
+// 16 x 32 bf16 by 32 x 16 bf16 into 16 x 16 fp32). One task (a KV head of a sequence, up
+// to kTileTokens query tokens, its group's heads: BLOCK_M = tokens x group query rows, in
+// 16-row tiles) as FlashAttention-2 (Dao 2023, section 3.1, algorithm 1), the key loop in
+// spans of kSpan keys (BLOCK_N):
+//   S = Q K^T    [BLOCK_M, BLOCK_N]   A = Q * scale, packed once a task
+//                                     B = K^T in AMX's pair layout (a 32-bit lane: two
+//                                         dims of one key), built per 16 keys by a 16 x 16
+//                                         transpose of 32-bit lanes
+//   P = exp(S - m_i), masked; m_i, l_i, alpha in fp32 (softmax_span, the AVX-512 path's
+//       code: causal mask, window and soft-cap alike)
+//   acc = acc * alpha + P V           A = P; B = V in pair layout (keys 2j, 2j + 1 of a
+//                                         row interleaved), built per 32 keys
+// Precision (set_bf16_attention): x3, the default: each operand split into bf16 hi + lo =
+// bf16(v - hi) and hi hi + lo hi + hi lo summed (Henry et al. 2019, as quant_amx.h), a
+// product within ~2^-16 of fp32, fp32-grade (an fp32 model's logprobs stay within 1e-4 of
+// HF's, tests/test_hf_parity.py); a bf16 cache's K and V are exact in bf16 and have no lo.
+// Or plain bf16 (opt-in): Q, K, P and V rounded to 8 significant bits, 2^-8 relative each,
+// one product a tile, 1.3-1.5x faster; that moved a logprob of the fp32 model by 0.01. head_dim a multiple of 16 (80: the third 32-dim chunk
+// half zeros). Tiles: amx::tile_begin's configuration (8 tiles of 16 rows x 64 bytes);
+// the products in 2 x 2 blocks (tile_quad): tmm0-3 C, tmm4/5 A, tmm6/7 B.
+namespace prefill_amx {
+
+constexpr int64_t kTileElems = 512;  // bf16 values in a 16 x 32 tile (1 KiB)
+
+// dst (16 rows of 64 bytes) = the transpose of src (16 rows of 64 bytes) in 32-bit lanes:
+// dst row j holds lane j of src rows 0 .. 15.
+inline void transpose_tile(const uint16_t* src, uint16_t* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src) + 16 * i);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+    }
+  float* out = reinterpret_cast<float*>(dst);
+  for (int i = 0; i < 8; ++i) {
+    _mm512_storeu_ps(out + 16 * i, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
+    _mm512_storeu_ps(out + 16 * (8 + i), _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
+  }
+}
+
+// bf16 of v0 (values 0-15) and v1 (16-31), rounded to nearest even; and, where lo is
+// given, bf16(v - hi) (exact in fp32).
+inline void split32(__m512 v0, __m512 v1, __m512i* hi, __m512i* lo) {
+  const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0));
+  *hi = h;
+  if (lo == nullptr) return;
+  const __m512 h0 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+  const __m512 h1 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  *lo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, h1), _mm512_sub_ps(v0, h0)));
+}
+
+inline __mmask16 mask16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
+                 : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
+}
+
+// 16 cache values from p as fp32, the first n of them (zeros past n).
+inline __m512 load16n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(mask16(n), p); }
+inline __m512 load16n(const c10::Half* p, int64_t n) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16(n), p));
+}
+inline __m512 load16n(const c10::BFloat16* p, int64_t n) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask16(n), p)), 16));
+}
+
+// 32 values of a cache row from p, the first n (zeros past n), as bf16 hi (+ lo where
+// asked and the cache is not bf16 already).
+template <typename cache_t>
+inline void row32(const cache_t* p, int64_t n, __m512i* hi, __m512i* lo) {
+  if constexpr (std::is_same<cache_t, c10::BFloat16>::value) {
+    const __mmask32 m = n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1ull << std::max<int64_t>(n, 0)) - 1);
+    *hi = _mm512_maskz_loadu_epi16(m, p);
+    if (lo != nullptr) *lo = _mm512_setzero_si512();
+  } else {
+    split32(load16n(p, n), load16n(p + 16, n - 16), hi, lo);
+  }
+}
+
+// B tiles of K^T for 16 keys (rows[i], i < cnt; zeros past cnt) and every 32-dim chunk dc
+// of d: tile dc's row j, lane i (32 bits) = dims dc * 32 + 2j, 2j + 1 of key i. hi and lo
+// (lo nullptr: none) get chunks * kTileElems values each.
+template <typename cache_t>
+inline void pack_keys(const cache_t* const* rows, int64_t cnt, int64_t d, uint16_t* hi,
+                      uint16_t* lo) {
+  alignas(64) uint16_t h[kTileElems], l[kTileElems];
+  const int64_t chunks = (d + 31) / 32;
+  for (int64_t dc = 0; dc < chunks; ++dc) {
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512i vh = _mm512_setzero_si512(), vl = _mm512_setzero_si512();
+      if (i < cnt) row32(rows[i] + dc * 32, d - dc * 32, &vh, lo != nullptr ? &vl : nullptr);
+      _mm512_store_si512(h + 32 * i, vh);
+      _mm512_store_si512(l + 32 * i, vl);
+    }
+    transpose_tile(h, hi + dc * kTileElems);
+    if (lo != nullptr) transpose_tile(l, lo + dc * kTileElems);
+  }
+}
+
+// B tiles of V for 32 keys (rows[t], t < cnt; zeros past cnt), one per 16 dims nt of d:
+// tile nt's row j = keys 2j and 2j + 1's dims nt * 16 .. + 15, interleaved (AMX's pair
+// layout: the contraction runs over keys here); hi, and lo = bf16(v - hi) where lo is given
+// (not for a bf16 cache, whose values are exact in bf16).
+template <typename cache_t>
+inline void pack_values(const cache_t* const* rows, int64_t cnt, int64_t d, uint16_t* hi,
+                        uint16_t* lo) {
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t nt = 0; nt < d / 16; ++nt)
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t t = 2 * j, off = nt * kTileElems + 32 * j;
+      __m512i pair_hi, pair_lo;
+      if constexpr (std::is_same<cache_t, c10::BFloat16>::value) {
+        const __m256i a = t < cnt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[t] + nt * 16))
+                                  : _mm256_setzero_si256();
+        const __m256i b = t + 1 < cnt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[t + 1] + nt * 16))
+                                      : _mm256_setzero_si256();
+        pair_hi = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      } else {
+        const __m512 a = t < cnt ? load16(rows[t] + nt * 16) : _mm512_setzero_ps();
+        const __m512 b = t + 1 < cnt ? load16(rows[t + 1] + nt * 16) : _mm512_setzero_ps();
+        split32(a, b, &pair_hi, lo != nullptr ? &pair_lo : nullptr);
+        if (lo != nullptr) _mm512_storeu_si512(lo + off, _mm512_permutexvar_epi16(interleave, pair_lo));
+      }
+      _mm512_storeu_si512(hi + off, _mm512_permutexvar_epi16(interleave, pair_hi));
+    }
+}
+
+// One step of a 2 x 2 block of C tiles, C0 = (a0, b0), C1 = (a0, b1), C2 = (a1, b0),
+// C3 = (a1, b1): loads the given A (tmm4, tmm5) and B (tmm6, tmm7) tiles (nullptr: keep
+// the one loaded) and multiplies-adds; two_a / two_b false leave out a1's / b1's tiles.
+// Each loaded tile feeds two products, so a reload waits on fewer products in flight
+// (AMX does not rename tile registers). The tile-register numbers are literals: GCC's AMX
+// intrinsics paste them into inline assembly.
+inline void tile_quad(const uint16_t* a0, const uint16_t* a1, const uint16_t* b0,
+                      const uint16_t* b1, bool two_a, bool two_b) {
+  if (a0 != nullptr) _tile_loadd(4, a0, 64);
+  if (b0 != nullptr) _tile_loadd(6, b0, 64);
+  if (two_b && b1 != nullptr) _tile_loadd(7, b1, 64);
+  if (two_a && a1 != nullptr) _tile_loadd(5, a1, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if (two_b) _tile_dpbf16ps(1, 4, 7);
+  if (two_a) {
+    _tile_dpbf16ps(2, 5, 6);
+    if (two_b) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// Stores the C tiles of tile_quad: C0 at c, C1 16 floats on, C2 16 rows (ld floats each)
+// down, C3 both.
+inline void store_quad(float* c, int64_t ld, bool two_a, bool two_b) {
+  const int64_t stride = ld * static_cast<int64_t>(sizeof(float));
+  _tile_stored(0, c, stride);
+  if (two_b) _tile_stored(1, c + 16, stride);
+  if (two_a) {
+    _tile_stored(2, c + 16 * ld, stride);
+    if (two_b) _tile_stored(3, c + 16 * ld + 16, stride);
+  }
+}
+
+inline void zero_quad() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// Scratch of one thread, reused across its tasks.
+struct Scratch {
+  std::vector<float> acc, part, scores, m, l, alpha;
+  std::vector<uint16_t> q_hi, q_lo, k_hi, k_lo, p_hi, p_lo, v_hi, v_lo;
+  std::vector<const void*> krows, vrows;
+};
+
+template <typename cache_t>
+void run_task(const PrefillAttention<cache_t>& a, const prefill_attn::Task& task, bool x3,
+              Scratch& w) {
+  using prefill_attn::kSpan;
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim;
+  const int64_t rows = task.count * group, row_tiles = (rows + 15) / 16;
+  const int64_t chunks = (d + 31) / 32, dim_tiles = d / 16;
+  const int64_t kd = chunks * kTileElems;  // bf16 values of one key group's K^T tiles
+  const int64_t s = a.seqs[task.seq], h = task.head;
+  const int64_t q0 = a.query_start[s], q_len = a.query_start[s + 1] - q0;
+  const int64_t len = a.seq_lens[s], prefix = len - q_len, pos0 = prefix + task.first;
+  const int32_t* blocks = a.block_tables + s * a.max_blocks;
+  const int64_t key_begin = a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0;
+  const int64_t key_end = pos0 + task.count;
+  // x3: every operand as bf16 hi + lo, three products (hi hi + lo hi + hi lo) a tile;
+  // a bf16 cache's K and V are exact, so theirs have no lo.
+  const bool cache_lo = x3 && !std::is_same<cache_t, c10::BFloat16>::value;
+
+  // Q * scale as A tiles, row r = query token task.first + r / group, head h * group + r % group.
+  w.q_hi.assign(row_tiles * kd, 0);
+  w.q_lo.assign(x3 ? row_tiles * kd : 0, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = a.q + (q0 + task.first + r / group) * a.qs + (h * group + r % group) * a.qh;
+    const __m512 sc = _mm512_set1_ps(a.scale);
+    for (int64_t dc = 0; dc < chunks; ++dc) {
+      const int64_t n = d - dc * 32;
+      __m512i hi, lo;
+      split32(_mm512_mul_ps(load16n(src + dc * 32, n), sc),
+              _mm512_mul_ps(load16n(src + dc * 32 + 16, n - 16), sc), &hi, x3 ? &lo : nullptr);
+      const int64_t off = ((r / 16) * chunks + dc) * kTileElems + (r % 16) * 32;
+      _mm512_storeu_si512(&w.q_hi[off], hi);
+      if (x3) _mm512_storeu_si512(&w.q_lo[off], lo);
+    }
+  }
+  w.acc.assign(rows * d, 0.f);
+  w.part.resize(row_tiles * 16 * d);
+  w.m.assign(rows, -std::numeric_limits<float>::infinity());
+  w.l.assign(rows, 0.f);
+  w.alpha.resize(rows);
+  w.krows.resize(kSpan);
+  w.vrows.resize(kSpan);
+  const cache_t** krows = reinterpret_cast<const cache_t**>(w.krows.data());
+  const cache_t** vrows = reinterpret_cast<const cache_t**>(w.vrows.data());
+
+  for (int64_t t0 = key_begin; t0 < key_end; t0 += kSpan) {
+    const int64_t n = std::min(kSpan, key_end - t0);
+    const int64_t groups = (n + 15) / 16, key_chunks = (n + 31) / 32, ld = key_chunks * 32;
+    for (int64_t t = t0; t < t0 + n; ++t) {
+      const int64_t b = blocks[t / a.block_size], i = t % a.block_size;
+      krows[t - t0] = a.k + b * a.kb + i * a.kt + h * a.kh;
+      vrows[t - t0] = a.v + b * a.vb + i * a.vt + h * a.vh;
+    }
+    w.k_hi.resize(groups * kd);
+    w.k_lo.resize(cache_lo ? groups * kd : 0);
+    for (int64_t g = 0; g < groups; ++g)
+      pack_keys(krows + 16 * g, std::min<int64_t>(16, n - 16 * g), d, &w.k_hi[g * kd],
+                cache_lo ? &w.k_lo[g * kd] : nullptr);
+    const uint16_t* k_hi = w.k_hi.data();
+    const uint16_t* k_lo = cache_lo ? w.k_lo.data() : nullptr;
+
+    // S = Q K^T, [row_tiles * 16, ld] (columns past groups * 16 unwritten), in 2 x 2
+    // blocks of (row tile, key group): q_hi k_hi (+ q_lo k_hi + q_hi k_lo).
+    w.scores.resize(row_tiles * 16 * ld);
+    for (int64_t mt = 0; mt < row_tiles; mt += 2)
+      for (int64_t g = 0; g < groups; g += 2) {
+        const bool two_m = mt + 1 < row_tiles, two_g = g + 1 < groups;
+        zero_quad();
+        for (int64_t dc = 0; dc < chunks; ++dc) {
+          const uint16_t* qh = &w.q_hi[(mt * chunks + dc) * kTileElems];
+          const int64_t next = chunks * kTileElems;  // row tile mt + 1
+          const uint16_t* kh = k_hi + g * kd + dc * kTileElems;
+          tile_quad(qh, qh + next, kh, kh + kd, two_m, two_g);
+          if (x3) {
+            const uint16_t* ql = &w.q_lo[(mt * chunks + dc) * kTileElems];
+            tile_quad(ql, ql + next, nullptr, nullptr, two_m, two_g);
+          }
+          if (k_lo != nullptr) {
+            const uint16_t* kl = k_lo + g * kd + dc * kTileElems;
+            tile_quad(qh, qh + next, kl, kl + kd, two_m, two_g);
+          }
+        }
+        store_quad(&w.scores[mt * 16 * ld + g * 16], ld, two_m, two_g);
+      }
+
+    prefill_attn::softmax_span(w.scores.data(), ld, rows, n, t0, pos0, group, a.window,
+                               a.softcap, w.m.data(), w.l.data(), w.alpha.data());
+
+    // P as bf16 A tiles [row_tiles][key_chunks] (+ lo; zeros past n and past rows).
+    w.p_hi.resize(row_tiles * key_chunks * kTileElems);
+    w.p_lo.resize(x3 ? row_tiles * key_chunks * kTileElems : 0);
+    for (int64_t r = 0; r < row_tiles * 16; ++r) {
+      float* row = &w.scores[r * ld];
+      if (r < rows)
+        for (int64_t t = n; t < ld; ++t) row[t] = 0.f;
+      for (int64_t kc = 0; kc < key_chunks; ++kc) {
+        __m512i hi = _mm512_setzero_si512(), lo = _mm512_setzero_si512();
+        if (r < rows)
+          split32(_mm512_loadu_ps(row + kc * 32), _mm512_loadu_ps(row + kc * 32 + 16), &hi,
+                  x3 ? &lo : nullptr);
+        const int64_t off = ((r / 16) * key_chunks + kc) * kTileElems + (r % 16) * 32;
+        _mm512_storeu_si512(&w.p_hi[off], hi);
+        if (x3) _mm512_storeu_si512(&w.p_lo[off], lo);
+      }
+    }
+    // V as B tiles [key_chunks][dim_tiles] (+ lo).
+    w.v_hi.resize(key_chunks * dim_tiles * kTileElems);
+    w.v_lo.resize(cache_lo ? key_chunks * dim_tiles * kTileElems : 0);
+    for (int64_t kc = 0; kc < key_chunks; ++kc)
+      pack_values(vrows + 32 * kc, std::min<int64_t>(32, n - 32 * kc), d,
+                  &w.v_hi[kc * dim_tiles * kTileElems],
+                  cache_lo ? &w.v_lo[kc * dim_tiles * kTileElems] : nullptr);
+
+    // part = P V, [row_tiles * 16, d], in 2 x 2 blocks of (row tile, 16 dims): p_hi v_hi
+    // (+ p_lo v_hi + p_hi v_lo); then
+    // acc = acc * alpha + part.
+    for (int64_t mt = 0; mt < row_tiles; mt += 2)
+      for (int64_t nt = 0; nt < dim_tiles; nt += 2) {
+        const bool two_m = mt + 1 < row_tiles, two_n = nt + 1 < dim_tiles;
+        zero_quad();
+        for (int64_t kc = 0; kc < key_chunks; ++kc) {
+          const int64_t pa = (mt * key_chunks + kc) * kTileElems, next = key_chunks * kTileElems;
+          const int64_t vb = (kc * dim_tiles + nt) * kTileElems;
+          const uint16_t* ph = &w.p_hi[pa];
+          tile_quad(ph, ph + next, &w.v_hi[vb], &w.v_hi[vb + kTileElems], two_m, two_n);
+          if (x3) {
+            const uint16_t* pl = &w.p_lo[pa];
+            tile_quad(pl, pl + next, nullptr, nullptr, two_m, two_n);
+          }
+          if (cache_lo) tile_quad(ph, ph + next, &w.v_lo[vb], &w.v_lo[vb + kTileElems], two_m, two_n);
+        }
+        store_quad(&w.part[mt * 16 * d + nt * 16], d, two_m, two_n);
+      }
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 al = _mm512_set1_ps(w.alpha[r]);
+      float* acc = &w.acc[r * d];
+      const float* part = &w.part[r * d];
+      for (int64_t e = 0; e < d; e += 16)
+        _mm512_storeu_ps(acc + e, _mm512_fmadd_ps(_mm512_loadu_ps(acc + e), al, _mm512_loadu_ps(part + e)));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = a.out + (q0 + task.first + r / group) * a.os + (h * group + r % group) * a.oh;
+    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    for (int64_t e = 0; e < d; ++e) dst[e] = w.acc[r * d + e] * inv;
+  }
+}
+
+}  // namespace prefill_amx
+#endif
+
 // Whether the AVX-512 tiles take this call: an AVX-512 build, head_dim a multiple of 16.
 template <typename cache_t>
 inline bool prefill_attention_blocked(const PrefillAttention<cache_t>& a) {
@@ -735,9 +1096,29 @@ inline bool prefill_attention_blocked(const PrefillAttention<cache_t>& a) {
 #endif
 }
 
+// The AMX prefill tiles' precision from the next call on: plain bf16 operands (true) or
+// fp32-grade hi + lo (false, the default); see prefill_amx. Returns the previous setting.
+bool set_bf16_attention(bool on);
+bool bf16_attention();
+
+// Whether the AMX tiles take this call (prefill_amx): the AVX-512 tiles would (head_dim a
+// multiple of 16), the build has AMX-BF16 code, the CPU and OS run it (amx::available) and
+// the AMX switch is on (set_amx, AIOENGINE_AMX: the one the GEMM follows; off, every
+// product is fp32, as the test suite runs by default).
+template <typename cache_t>
+inline bool prefill_attention_amx(const PrefillAttention<cache_t>& a) {
+#if defined(AIOENGINE_PREFILL_AMX)
+  return a.head_dim % 16 == 0 && amx_allowed() && amx::available();
+#else
+  (void)a;
+  return false;
+#endif
+}
+
 // The chunks of a.seqs' sequences: tasks of (sequence, KV head, up to kTileTokens query
 // tokens), split over threads by their cost (rows x keys, prefix sums as TaskSplit);
-// portable = true forces the portable loops (tests compare both on one CPU).
+// on AMX (prefill_attention_amx) or the AVX-512 tiles or, portable = true, the portable
+// loops (tests compare them on one CPU).
 template <typename cache_t>
 void prefill_attention_run(const PrefillAttention<cache_t>& a, bool portable = false) {
   using prefill_attn::kTileTokens;
@@ -769,6 +1150,18 @@ void prefill_attention_run(const PrefillAttention<cache_t>& a, bool portable = f
            prefix.begin();
   };
   const bool blocked = !portable && prefill_attention_blocked(a);
+#if defined(AIOENGINE_PREFILL_AMX)
+  if (blocked && prefill_attention_amx(a)) {
+    const bool x3 = !bf16_attention();
+    at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
+      prefill_amx::Scratch w;
+      amx::tile_begin();  // this thread's tiles: another kernel or library may have left others
+      for (int64_t i = begin(pb); i < begin(pe); ++i) prefill_amx::run_task(a, tasks[i], x3, w);
+      amx::tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
     std::vector<float> q, scores, acc, part;
     std::vector<const cache_t*> krows, vrows;

@@ -63,6 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
         pybind11::arg("query_start_loc"), pybind11::arg("scale"), pybind11::arg("window") = 0,
         pybind11::arg("softcap") = 0.0, pybind11::arg("portable") = false, release());
+  m.def("set_bf16_attention", &aioengine::set_bf16_attention, pybind11::arg("on"),
+        "The AMX prefill attention tiles in plain bf16 (True) or fp32-grade hi + lo (False, "
+        "the default); returns the previous setting.");
+  m.def("bf16_attention", &aioengine::bf16_attention);
   m.def("fused_add_rms_norm", &aioengine::fused_add_rms_norm, release());
   m.def("silu_and_mul", &aioengine::silu_and_mul, release());
   m.def("copy_blocks", &copy_blocks, pybind11::arg("kv_cache"), pybind11::arg("block_mapping"),
