@@ -450,3 +450,15 @@ def test_prefill_rising_and_overflowed_logits_across_spans(portable):
         out = cpu_ops.prefill_attention(**args, sliding_window=window or None,
                                         portable=portable)
         assert_matches(out, prefill_oracle(**args, window=window))
+
+
+def test_prefill_rejects_a_cache_without_kv_heads():
+    # Regression: the head check took query heads modulo the KV heads before anything
+    # said there were any, and a cache with 0 KV heads killed the process with SIGFPE.
+    query = torch.randn(3, 4, 64)
+    key_cache = torch.randn(4, 16, 0, 64)
+    with pytest.raises(RuntimeError, match="num_kv_heads > 0"):
+        cpu_ops.prefill_attention(query, key_cache, key_cache.clone(),
+                                  torch.zeros(1, 4, dtype=torch.int32),
+                                  torch.tensor([3], dtype=torch.int32),
+                                  torch.tensor([0, 3], dtype=torch.int32), 0.1)

@@ -164,6 +164,9 @@ void paged_attention_prefill(at::Tensor out, at::Tensor query, at::Tensor key_ca
                              int64_t window, double softcap, bool portable) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention_prefill: bad ranks");
+  // Checked before the modulo below divides by them (0 KV heads was a SIGFPE).
+  TORCH_CHECK(key_cache.size(1) > 0 && key_cache.size(2) > 0,
+              "paged_attention_prefill: the cache needs block_size > 0 and num_kv_heads > 0");
   TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
               "paged_attention_prefill: head mismatch");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
