@@ -798,25 +798,23 @@ void bf16_chunk_lut(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t 
 
 using Bf16Chunk = void (*)(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, uint16_t*);
 
-Bf16Chunk bf16_chunk_for(int qtype) {
+// Format -> its decoder (the table one where the build has AVX-512 BW and
+// set_amx_table_decode leaves it on); one table of type sizes for both decoders.
+template <int QT, int TS>
+Bf16Chunk bf16_chunk_of() {
 #if defined(__AVX512BW__)
-  if (bf16_chunk_lut_on.load(std::memory_order_relaxed)) {
-    switch (qtype) {
-      case kQ8_0: return bf16_chunk_lut<kQ8_0, 34>;
-      case kQ4_0: return bf16_chunk_lut<kQ4_0, 18>;
-      case kQ4_1: return bf16_chunk_lut<kQ4_1, 20>;
-      case kQ5_0: return bf16_chunk_lut<kQ5_0, 22>;
-      case kQ5_1: return bf16_chunk_lut<kQ5_1, 24>;
-      default: return nullptr;
-    }
-  }
+  if (bf16_chunk_lut_on.load(std::memory_order_relaxed)) return bf16_chunk_lut<QT, TS>;
 #endif
+  return bf16_chunk<QT, TS>;
+}
+
+Bf16Chunk bf16_chunk_for(int qtype) {
   switch (qtype) {
-    case kQ8_0: return bf16_chunk<kQ8_0, 34>;
-    case kQ4_0: return bf16_chunk<kQ4_0, 18>;
-    case kQ4_1: return bf16_chunk<kQ4_1, 20>;
-    case kQ5_0: return bf16_chunk<kQ5_0, 22>;
-    case kQ5_1: return bf16_chunk<kQ5_1, 24>;
+    case kQ8_0: return bf16_chunk_of<kQ8_0, 34>();
+    case kQ4_0: return bf16_chunk_of<kQ4_0, 18>();
+    case kQ4_1: return bf16_chunk_of<kQ4_1, 20>();
+    case kQ5_0: return bf16_chunk_of<kQ5_0, 22>();
+    case kQ5_1: return bf16_chunk_of<kQ5_1, 24>();
     default: return nullptr;
   }
 }
