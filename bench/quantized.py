@@ -336,7 +336,7 @@ async def streaming_sweep(servers: Sequence[TimedServer], concurrencies: Sequenc
     by ``c``). Returns each server's runs by its ``name``."""
     import httpx
 
-    from bench.serving import Endpoint, make_sender, run_load
+    from bench.serving import Endpoint, engine_stats, make_sender, run_load, stats_delta
 
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     runs: dict[str, list[dict]] = {server.name: [] for server in servers}
@@ -352,9 +352,21 @@ async def streaming_sweep(servers: Sequence[TimedServer], concurrencies: Sequenc
                 warm = await send(BenchRequest(requests[0].prompt_token_ids, 2))
                 if not warm.ok:
                     raise RuntimeError(f"{server.name}: warm-up request failed: {warm.error}")
+                ours = isinstance(server, AioengineServer)
+                if ours:
+                    before = await engine_stats(client, Endpoint(server.base_url))
+                    cpu_before = process_cpu_s(server.process.pid)
                 res = await run_load(send, requests, max_concurrency=c,
                                      time_limit_s=args.time_limit, seed=args.seed,
                                      desc=f"{server.name} c={c}", progress=not args.no_progress)
+                if ours:
+                    cpu_s = process_cpu_s(server.process.pid) - cpu_before
+                    stats = stats_delta(before, await engine_stats(
+                        client, Endpoint(server.base_url), steps=True))
+                    if stats["num_steps"]:
+                        stats["server_cpu_ms_per_step"] = round(
+                            1000 * cpu_s / stats["num_steps"], 3)
+                    res["engine_stats"] = stats
                 res["concurrency"] = c
                 res["workload"] = workload_summary(requests)
                 res["loadavg_1m"] = load.sample()[0]
@@ -364,7 +376,23 @@ async def streaming_sweep(servers: Sequence[TimedServer], concurrencies: Sequenc
                       f"{res['num_requests']} ok, {res['output_throughput']:7.1f} output tok/s, "
                       f"TTFT p50 {res['ttft']['p50_ms']:7.0f} ms, ITL p50 "
                       f"{res['itl']['p50_ms']:6.1f} ms, load {res['loadavg_1m']:.2f}", flush=True)
+                steps = res.get("engine_stats", {}).get("decode_steps")
+                if steps:
+                    print(f"  {'':<16} {'':>11}  {steps['num_steps']} decode steps of "
+                          f"{steps['num_reqs']}: worker busy p50 {steps['busy_p50_ms']:.2f} ms, "
+                          f"idle mean/p50 {steps['idle_mean_ms']:.2f}/{steps['idle_p50_ms']:.2f} "
+                          f"ms ({steps['idle_pct_of_step']:.1f}% of the step); server CPU "
+                          f"{res['engine_stats'].get('server_cpu_ms_per_step', 0):.2f} ms/step",
+                          flush=True)
     return runs
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far (its threads, not its children)."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def started(server: TimedServer) -> dict:

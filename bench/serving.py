@@ -50,6 +50,7 @@ import contextlib
 import itertools
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -336,19 +337,51 @@ def _request_record(r: RequestResult, t0: float) -> dict:
 # -- scenarios -------------------------------------------------------------------------------
 
 
-async def engine_stats(client, endpoint: Endpoint) -> dict:
-    r = await client.get(endpoint.base_url + "/v1/engine/stats", headers=endpoint.headers)
+async def engine_stats(client, endpoint: Endpoint, steps: bool = False) -> dict:
+    """``GET /v1/engine/stats`` (``steps``: with ``recent_steps``)."""
+    r = await client.get(endpoint.base_url + "/v1/engine/stats" + ("?steps=1" if steps else ""),
+                         headers=endpoint.headers)
     r.raise_for_status()
     return r.json()
 
 
 def stats_delta(before: dict, after: dict) -> dict:
-    """What the engine counted during a run (``EngineStats`` differences)."""
+    """What the engine counted during a run (``EngineStats`` differences); with
+    ``after["recent_steps"]`` (``?steps=1``) also ``decode_steps``."""
     keys = ("num_steps", "num_multi_request_steps", "num_preemptions", "num_prompt_tokens",
-            "num_generation_tokens", "prefix_cache_queries", "prefix_cache_hits")
+            "num_generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
+            "worker_idle_time", "worker_busy_time")
     out = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
     out["max_reqs_in_step"] = after.get("max_reqs_in_step")
+    if "recent_steps" in after:
+        out["decode_steps"] = decode_step_summary(after["recent_steps"][-out["num_steps"]:])
     return out
+
+
+def decode_step_summary(steps: Sequence[Sequence[float]]) -> dict | None:
+    """Issue 16's figure: the worker's idle time between consecutive decode steps
+    at the run's full width. ``steps``: a run's ``[requests, tokens, worker idle s,
+    worker busy s]`` records (``GET /v1/engine/stats?steps=1``); kept are decode-only
+    steps (one token per request) of the most requests any decode step ran, less the
+    first of each stretch (its idle time is the prefill's hand-over). Returns mean
+    and p50 of idle and busy (forward + sampling) in ms, idle as % of idle + busy,
+    or None when no such step ran."""
+    decode = [s for s in steps if s[0] == s[1] and s[0] > 0]
+    if not decode:
+        return None
+    width = max(s[0] for s in decode)
+    kept = [s for prev, s in itertools.pairwise(steps)
+            if s[0] == s[1] == width and prev[0] == prev[1] == width]
+    if not kept:
+        return None
+    idle = [s[2] for s in kept]
+    busy = [s[3] for s in kept]
+    return {"num_reqs": width, "num_steps": len(kept),
+            "idle_mean_ms": round(1000 * statistics.fmean(idle), 3),
+            "idle_p50_ms": round(1000 * statistics.median(idle), 3),
+            "busy_mean_ms": round(1000 * statistics.fmean(busy), 3),
+            "busy_p50_ms": round(1000 * statistics.median(busy), 3),
+            "idle_pct_of_step": round(100 * sum(idle) / (sum(idle) + sum(busy)), 2)}
 
 
 async def measured_run(client, endpoint: Endpoint, protocol: str, requests: list[BenchRequest],
@@ -359,7 +392,7 @@ async def measured_run(client, endpoint: Endpoint, protocol: str, requests: list
     before = await engine_stats(client, endpoint)
     result = await run_load(send, requests, time_limit_s=args.time_limit, seed=args.seed,
                             desc=desc, progress=not args.no_progress, **load_kwargs)
-    result["engine_stats"] = stats_delta(before, await engine_stats(client, endpoint))
+    result["engine_stats"] = stats_delta(before, await engine_stats(client, endpoint, steps=True))
     result["protocol"] = protocol
     return result
 

@@ -92,6 +92,9 @@ class FakeExecutor(Executor):
         steps: every ``SchedulerOutput`` it ran, decoded from its bytes.
         fail_next: raise ``WorkerDiedError`` at the next step (the worker lives).
         delay_s: seconds each async step takes (to hold requests in flight).
+        idle_s: the ``idle_time`` each step reports (seconds).
+        num_submitted: async steps handed to it so far (counted on entry, before
+            ``delay_s``).
     """
 
     def __init__(
@@ -110,6 +113,8 @@ class FakeExecutor(Executor):
         self.steps: list[SchedulerOutput] = []
         self.fail_next = False
         self.delay_s = 0.0
+        self.idle_s = 0.0
+        self.num_submitted = 0
         self.alive = True
         self._tokens: dict[str, list[int]] = {}
         self._seeds: dict[str, int] = {}
@@ -147,13 +152,19 @@ class FakeExecutor(Executor):
             want_logprobs |= want
             logprobs.append([(token, -0.25), (self._letters[0], -1.5)] if want else None)
         out = ModelRunnerOutput(
-            so.step_id, sampled, logprobs if want_logprobs else None, 0.001, 0.0
+            so.step_id,
+            sampled,
+            logprobs if want_logprobs else None,
+            0.001,
+            0.0,
+            idle_time=self.idle_s,
         )
         result = decode_from_worker(encode(out))
         assert isinstance(result, ModelRunnerOutput)
         return result
 
     async def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_submitted += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return self.execute_model(scheduler_output)

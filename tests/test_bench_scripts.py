@@ -41,6 +41,23 @@ def run_script(name: str, *args: str, timeout: float = 900) -> subprocess.Comple
 # -- helpers ---------------------------------------------------------------------------------
 
 
+def test_decode_step_summary_keeps_full_width_decodes_after_the_first() -> None:
+    from bench.serving import decode_step_summary
+
+    steps = [[1, 1, 9.0, 0.01],            # warm-up, narrower
+             [4, 400, 0.5, 0.2],           # prefill of 4 prompts
+             [4, 4, 0.05, 0.020],          # first decode after it: hand-over, dropped
+             [4, 4, 0.001, 0.020], [4, 4, 0.003, 0.024],
+             [3, 3, 0.5, 0.018],           # a request finished: narrower
+             [4, 4, 0.002, 0.022]]         # follows a narrower step: dropped
+    out = decode_step_summary(steps)
+    assert out is not None and out["num_reqs"] == 4 and out["num_steps"] == 2
+    assert out["idle_mean_ms"] == pytest.approx(2.0) and out["idle_p50_ms"] == pytest.approx(2.0)
+    assert out["busy_p50_ms"] == pytest.approx(22.0)
+    assert out["idle_pct_of_step"] == pytest.approx(100 * 0.004 / 0.048, abs=0.01)
+    assert decode_step_summary([[2, 30, 0.1, 0.1]]) is None
+
+
 def test_percentile_matches_linear_interpolation() -> None:
     values = sorted([5.0, 1.0, 3.0, 2.0, 4.0])
     assert percentile(values, 0) == 1.0

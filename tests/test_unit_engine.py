@@ -184,6 +184,21 @@ def test_parent_request_without_seed_leaves_the_draw_to_the_core():
     assert seeds[0] != seeds[1]
 
 
+def test_worker_idle_and_busy_times_are_summed_and_kept_per_step():
+    engine = make_engine()
+    engine.core.executor.idle_s = 0.002
+    engine.add_request("a", prompt(0), GREEDY)
+    engine.add_request("b", prompt(1), GREEDY)
+    run(engine)
+    stats = engine.stats()
+    steps = list(engine.core.recent_steps)
+    assert len(steps) == stats.num_steps == 6  # one prefill + 5 decodes
+    assert steps[0] == (2, 40, 0.002, 0.001)
+    assert all(s == (2, 2, 0.002, 0.001) for s in steps[1:])
+    assert stats.worker_idle_time == pytest.approx(0.002 * 6)
+    assert stats.worker_busy_time == pytest.approx(0.001 * 6)
+
+
 def test_async_engine_streams_and_cancelling_aborts():
     async def go():
         engine = await start_fake_engine()
@@ -201,6 +216,97 @@ def test_async_engine_streams_and_cancelling_aborts():
             await stream.aclose()  # the client went away
             assert engine.num_in_flight == 0
             assert engine.stats().num_kv_blocks_used == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_the_next_step_is_submitted_before_the_streams_see_this_ones_output():
+    """Issue 16: the stream handlers (JSON, SSE writes) run while the worker
+    computes the next step, not between the steps on the worker's critical path."""
+
+    async def go():
+        engine = await start_fake_engine(make_config(async_scheduling=False))
+        try:
+            executor = engine.executor
+            executor.delay_s = 0.005
+            seen = []
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            async for out in engine.generate("hey", params):
+                seen.append((len(out.outputs[0].token_ids), executor.num_submitted, out.finished))
+            # The k-th token's output reaches the stream once step k + 1 was
+            # handed over (one step per token; none after the last).
+            assert [(k, s) for k, s, done in seen if not done] == [(k, k + 1) for k in range(1, 6)]
+            assert seen[-1] == (6, 6, True)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("stop", [[], ["\x00never"]])
+def test_outputs_are_processed_after_the_next_submit_unless_a_stop_string_may_end_one(stop):
+    """Without stop strings, detokenizing a step waits until the next step was
+    handed to the worker; with one, it runs first, so a stop ends the request
+    before the next step is scheduled."""
+
+    async def go():
+        engine = await start_fake_engine(make_config(async_scheduling=False))
+        try:
+            executor = engine.executor
+            executor.delay_s = 0.005
+            processor = engine.core.output_processor
+            process, at = processor.process_outputs, []
+
+            def spy(core_outputs):
+                at.append(executor.num_submitted)
+                return process(core_outputs)
+
+            processor.process_outputs = spy
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=stop)
+            async for _ in engine.generate("hey", params):
+                pass
+            assert at == ([2, 3, 4, 4] if not stop else [1, 2, 3, 4])
+            assert not processor.can_finish_requests
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_can_finish_requests_counts_live_requests_with_stop_strings():
+    engine = make_engine()
+    processor = engine.output_processor
+    engine.add_request("a", prompt(0), SamplingParams(max_tokens=3, stop=["zz"]))
+    engine.add_request("b", prompt(1), SamplingParams(max_tokens=3, stop=["zz"], n=2))
+    engine.add_request("c", prompt(2), GREEDY)
+    assert processor.can_finish_requests
+    engine.abort_request("a")
+    assert processor.can_finish_requests
+    run(engine)  # b and c finish
+    assert not processor.can_finish_requests
+    engine.add_request("d", prompt(3), SamplingParams(max_tokens=3, stop=["zz"]))
+    engine.fail_all("gone")
+    assert not processor.can_finish_requests
+
+
+def test_a_stream_still_gets_turns_when_the_executor_answers_at_once():
+    """With an executor that never suspends, the step loop still yields once a
+    step, so a stream that is being consumed sees each output in turn."""
+
+    async def go():
+        engine = await start_fake_engine(make_config(async_scheduling=False))
+        try:
+            executor = engine.executor
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            seen = [
+                (len(out.outputs[0].token_ids), executor.num_submitted)
+                async for out in engine.generate("hi", params)
+            ]
+            # Each output is seen once the step after it was submitted, not later
+            # (a loop that never yielded would run all six steps first).
+            assert seen == [(k, min(k + 1, 6)) for k in range(1, 7)]
         finally:
             await engine.shutdown()
 

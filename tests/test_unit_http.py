@@ -198,6 +198,11 @@ def test_health_models_stats_tokenize_detokenize(client):
     stats = client.get("/v1/engine/stats?block_map=1").json()
     assert stats["num_kv_blocks_total"] == 64 and len(stats["block_usage_map"]) == 64
     assert stats["num_requests_finished"] >= 1 and stats["num_running"] == 0
+    assert "recent_steps" not in stats
+    steps = client.get("/v1/engine/stats?steps=1").json()["recent_steps"]
+    # One record per applied step (a step the worker failed is counted, not applied).
+    assert 0 < len(steps) <= stats["num_steps"] and all(s[3] == 0.001 for s in steps)
+    assert stats["worker_busy_time"] == pytest.approx(0.001 * len(steps))
     tokens = client.post("/tokenize", json={"messages": MESSAGES}).json()
     assert tokens["tokens"] == chat_prompt_ids(MESSAGES) and tokens["count"] == len(
         tokens["tokens"]
@@ -247,3 +252,56 @@ def test_websocket_bad_messages_are_errors_and_the_socket_stays_open(client):
             assert isinstance(error, ws_messages.Error) and error.code == code, raw
         ws.send_text('{"type": "ping"}')
         assert isinstance(ws_messages.decode(ws.receive_text()), ws_messages.Pong)
+
+
+# -- SSE delta events ----------------------------------------------------------------------------
+
+DELTA_TEXTS = [
+    "",
+    " hello",
+    'quote " and \\ backslash',
+    "tab\tnewline\ncarriage\rnul\x00bell\x07del\x7f",
+    "héllo wörld ✓ 日本語 🚀",
+    "</script><!-- & ' /",
+    "\u2028\u2029 line separators",
+    "\x00aioengine-delta\x00",  # the template's own marker as a delta
+]
+
+
+@pytest.mark.parametrize("text", DELTA_TEXTS)
+def test_delta_events_are_byte_for_byte_the_pydantic_chunks(text):
+    from aioengine.entrypoints.openai.streaming import DeltaEvents, sse
+    from aioengine.entrypoints.protocol import (
+        ChatCompletionChunk,
+        ChatCompletionStreamChoice,
+        CompletionChoice,
+        CompletionChunk,
+    )
+
+    def completion(index: int, t: str) -> bytes:
+        choice = CompletionChoice(index=index, text=t)
+        return sse(CompletionChunk(id="cmpl-1", created=7, model="m\u00e9", choices=[choice]))
+
+    def chat(index: int, t: str) -> bytes:
+        choice = ChatCompletionStreamChoice(index=index, delta={"content": t})
+        return sse(ChatCompletionChunk(id="chat-1", created=7, model="m", choices=[choice]))
+
+    for render in (completion, chat):
+        events = DeltaEvents(render)
+        for index in (0, 3, 0):
+            assert events.event(index, text) == render(index, text)
+
+
+def test_delta_events_render_every_event_when_the_marker_is_not_unique():
+    from aioengine.entrypoints.openai.streaming import DeltaEvents, sse
+
+    calls = []
+
+    def render(index: int, text: str) -> bytes:  # the marker twice: no template
+        calls.append(text)
+        return sse({"a": text, "b": text, "index": index})
+
+    events = DeltaEvents(render)
+    assert events.event(1, "x") == sse({"a": "x", "b": "x", "index": 1})
+    assert events.event(1, "y") == sse({"a": "y", "b": "y", "index": 1})
+    assert calls[-2:] == ["x", "y"]

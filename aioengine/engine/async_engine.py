@@ -11,6 +11,7 @@ gone, cancel) aborts the request and frees its blocks at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib
 import logging
 import time
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 from aioengine.config import EngineConfig
 from aioengine.engine.beam_search import BeamSearchParams
-from aioengine.engine.core import EngineStats
+from aioengine.engine.core import EngineCoreOutputs, EngineStats
 from aioengine.engine.input_processor import InputProcessor
 from aioengine.engine.llm_engine import EngineStep, LLMEngine
 from aioengine.engine.parallel_sampling import parent_request_id
@@ -65,7 +66,21 @@ _CUMULATIVE_STATS = (
     "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
+    "worker_idle_time",
+    "worker_busy_time",
 )
+
+
+class _Flag:
+    """A one-way switch for a loop callback to throw (cheaper than an Event)."""
+
+    __slots__ = ("is_set",)
+
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def set(self) -> None:
+        self.is_set = True
 
 
 class RequestStream:
@@ -142,6 +157,11 @@ class AsyncEngine:
         self.core: LLMEngine | None = None
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
+        # Steps whose outputs wait for a loop callback to process them, oldest
+        # first (``_step_forever``); whoever processes outputs drains this first.
+        self._deferred: collections.deque[tuple[LLMEngine, EngineCoreOutputs, float]] = (
+            collections.deque()
+        )
         self._step_task: asyncio.Task | None = None
         self._counter = 0
         self.started_at = time.time()
@@ -441,6 +461,12 @@ class AsyncEngine:
             )
         return stats
 
+    def recent_steps(self) -> list[tuple[int, int, float, float]]:
+        """The latest steps (at most ``core.RECENT_STEPS``), oldest first: requests,
+        tokens, the worker's idle and busy seconds (``ModelRunnerOutput``)."""
+        assert self.core is not None
+        return list(self.core.core.recent_steps)
+
     # -- draining (graceful shutdown) -------------------------------------------------
     def begin_drain(self) -> None:
         """Refuse new requests from now on (``EngineDeadError``, HTTP 503); the
@@ -472,15 +498,22 @@ class AsyncEngine:
     async def _step_forever(self) -> None:
         engine = self.core
         assert engine is not None
+        loop = asyncio.get_running_loop()
         while True:
             if not engine.has_unfinished_requests():
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             t0 = time.perf_counter()
+            # Set by the loop only once this task has yielded (the callback runs
+            # after the task suspends): whether the handlers already had a turn.
+            yielded = _Flag()
+            loop.call_soon(yielded.set)
             try:
-                step = await engine.step_async()
+                core_outputs = await engine.step_core_async()
             except WorkerDiedError as exc:
+                # The steps before this one produced real tokens: deliver them first.
+                self._drain_deferred()
                 if self.executor is None or not self.executor.is_alive():
                     self._worker_died(str(exc))
                     return
@@ -488,13 +521,45 @@ class AsyncEngine:
                 logger.error("model step failed: %s", exc)
                 self._fail_all(f"engine error: {exc}")
                 continue
-            if not step.executed:
+            if not core_outputs.executed:
                 await self._wait_for_work(engine)
                 continue
-            self._publish(step, time.monotonic())
+            now = time.monotonic()
+            if engine.output_processor.can_finish_requests:
+                # A stop string may end a request: the core must know before
+                # the next step is scheduled. Earlier deferred steps go first: a
+                # step that never suspended has not let their callbacks run.
+                self._drain_deferred()
+                self._publish(engine.process(core_outputs), now)
+            else:
+                # Detokenizing and publishing change nothing the next step's
+                # scheduling reads: they run once this task has submitted that
+                # step and suspends (callbacks run in order, so streams get
+                # their outputs in step order), off the worker's critical path.
+                self._deferred.append((engine, core_outputs, now))
+                loop.call_soon(self._drain_deferred)
             engine.core.last_step_time = time.perf_counter() - t0
-            # Let handlers run between steps even when the executor answered at once.
-            await asyncio.sleep(0)
+            # The streams' handlers (JSON, SSE writes) run while the worker
+            # computes the next step: the next ``step_core_async`` schedules and
+            # submits it before its first suspension. Yielding here instead would
+            # put all of them on the worker's critical path (issue 16). Only when
+            # the executor answered without suspending do they get a turn here.
+            if not yielded.is_set:
+                await asyncio.sleep(0)
+
+    def _drain_deferred(self) -> None:
+        """Deferred steps' outputs through the output processor to the streams,
+        oldest first (a loop callback, or before a step's outputs are processed at
+        once); a failure there is an engine error, as in the step loop."""
+        while self._deferred:
+            engine, core_outputs, now = self._deferred.popleft()
+            try:
+                self._publish(engine.process(core_outputs), now)
+            except Exception as exc:
+                self._deferred.clear()
+                logger.exception("engine step failed")
+                self._worker_died(f"engine error: {exc!r}")
+                return
 
     @staticmethod
     async def _wait_for_work(engine: LLMEngine) -> None:

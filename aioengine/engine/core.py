@@ -34,6 +34,10 @@ from aioengine.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+# Steps kept in ``EngineCore.recent_steps`` (a 2-request-per-stream run at 64
+# streams of 128 tokens is about 260 steps).
+RECENT_STEPS = 4096
+
 __all__ = ["EngineCore", "EngineCoreOutput", "EngineCoreOutputs", "EngineStats", "RequestRejected"]
 
 
@@ -42,7 +46,10 @@ class EngineStats:
     """One snapshot read by /metrics, the chat page and the tests.
 
     Token and request counts are cumulative unless named ``*_last_step``;
-    times are seconds.
+    times are seconds. ``worker_idle_time`` sums, over steps, the worker's wait
+    between its previous step's end and the step's start (the engine-side time
+    on the critical path, ``ModelRunnerOutput.idle_time``); ``worker_busy_time``
+    sums its forward + sampling.
     """
 
     num_running: int = 0
@@ -63,6 +70,8 @@ class EngineStats:
     num_requests_finished: int = 0
     last_step_time: float = 0.0
     last_forward_time: float = 0.0
+    worker_idle_time: float = 0.0
+    worker_busy_time: float = 0.0
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
@@ -170,6 +179,13 @@ class EngineCore:
             collections.deque()
         )
         self.last_worker_idle_time = 0.0
+        self.worker_idle_time = 0.0
+        self.worker_busy_time = 0.0
+        # The latest steps' (requests, tokens, worker idle s, worker busy s), for
+        # the benchmarks' per-step figures (``GET /v1/engine/stats?steps=1``).
+        self.recent_steps: collections.deque[tuple[int, int, float, float]] = collections.deque(
+            maxlen=RECENT_STEPS
+        )
 
     # -- requests ---------------------------------------------------------------
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
@@ -463,6 +479,16 @@ class EngineCore:
         scheduled ahead (async scheduling)."""
         self.last_forward_time = runner_output.forward_time + runner_output.sample_time
         self.last_worker_idle_time = runner_output.idle_time
+        self.worker_idle_time += runner_output.idle_time
+        self.worker_busy_time += self.last_forward_time
+        self.recent_steps.append(
+            (
+                scheduler_output.num_reqs,
+                scheduler_output.total_num_scheduled_tokens,
+                runner_output.idle_time,
+                self.last_forward_time,
+            )
+        )
         if launched is None:
             # Before the output moves any counter: a child 0 that ends on its first
             # token still holds the prompt's blocks for its siblings to fork.
@@ -557,6 +583,8 @@ class EngineCore:
             num_generation_tokens=counters.num_generation_tokens,
             last_step_time=self.last_step_time,
             last_forward_time=self.last_forward_time,
+            worker_idle_time=self.worker_idle_time,
+            worker_busy_time=self.worker_busy_time,
             num_kv_blocks_shared=pool.num_shared_blocks,
             num_cow_copies=kv_cache.num_cow_copies,
             **self._spec_stats(),

@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 
 # EngineStats fields that are not summed over replicas (see ``sum_stats``).
 _MAX_FIELDS = ("max_reqs_in_step", "last_step_time", "last_forward_time")
+# Float EngineStats fields that are summed (cumulative seconds).
+_SUMMED_TIMES = ("worker_idle_time", "worker_busy_time")
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
             setattr(total, f.name, [sum(v[k] for v in values if k < len(v)) for k in range(width)])
         elif f.name == "block_usage_map":
             setattr(total, f.name, [b for v in values for b in v])
-        elif f.type in ("int", int):
+        elif f.type in ("int", int) or f.name in _SUMMED_TIMES:
             setattr(total, f.name, sum(values))
     if total.num_kv_blocks_total:
         total.kv_cache_usage = total.num_kv_blocks_used / total.num_kv_blocks_total

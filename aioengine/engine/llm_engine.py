@@ -216,6 +216,16 @@ class LLMEngine:
         """One step; the event loop is free while the worker computes."""
         return self._process(await self.core.step_async())
 
+    async def step_core_async(self) -> EngineCoreOutputs:
+        """The core half of ``step_async``: the token ids, not yet through
+        ``process`` (which must run before the next step when
+        ``output_processor.can_finish_requests``)."""
+        return await self.core.step_async()
+
+    def process(self, core_outputs: EngineCoreOutputs) -> EngineStep:
+        """The output half of ``step_async``: text, stop strings, ``RequestOutput``s."""
+        return self._process(core_outputs)
+
     # The two halves of ``step()`` around the executor, for callers that time
     # or inspect them (bench/throughput.py, bench/prefix_cache.py).
     def schedule(self) -> SchedulerOutput:

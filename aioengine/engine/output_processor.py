@@ -53,6 +53,16 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
         self._samples: dict[str, _SampleState] = {}
         self.num_requests_finished = 0
+        # Live parents with stop strings: only they make ``process_outputs``
+        # finish requests in the core (``request_ids_to_finish``).
+        self._num_with_stop = 0
+
+    @property
+    def can_finish_requests(self) -> bool:
+        """Whether ``process_outputs`` may end requests the core still runs (a live
+        request has stop strings); when False, a step's outputs may be processed
+        after the next step is scheduled without changing what either does."""
+        return self._num_with_stop > 0
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents
@@ -67,6 +77,7 @@ class OutputProcessor:
             raise ValueError(f"request id {parent.request_id!r} is already in use")
         self.parents[parent.request_id] = parent
         params = parent.params
+        self._num_with_stop += bool(params.stop)
         for index, child in enumerate(parent.child_requests):
             self._samples[child.request_id] = _SampleState(
                 parent,
@@ -86,6 +97,7 @@ class OutputProcessor:
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return None
+        self._num_with_stop -= bool(parent.params.stop)
         for child_id in parent.child_request_ids:
             self._samples.pop(child_id, None)
         return parent.child_request_ids
@@ -151,7 +163,8 @@ class OutputProcessor:
         return stopped and core_output.finish_reason is None
 
     def _release(self, parent: ParentRequest) -> None:
-        self.parents.pop(parent.request_id, None)
+        if self.parents.pop(parent.request_id, None) is not None:
+            self._num_with_stop -= bool(parent.params.stop)
         for child_id in parent.child_request_ids:
             self._samples.pop(child_id, None)
         self.num_requests_finished += 1

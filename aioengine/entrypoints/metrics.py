@@ -60,6 +60,9 @@ _STATS_METRICS = [
     ("last_step_time", "last_step_seconds", "Wall time of the last step (seconds).", False),
     ("last_forward_time", "last_forward_seconds", "Forward + sampling of the last step (s).",
      False),
+    ("worker_idle_time", "worker_idle_seconds",
+     "Worker time between a step's end and the next step's start (s).", True),
+    ("worker_busy_time", "worker_busy_seconds", "Worker forward + sampling time (s).", True),
     # Speculative decoding (vLLM's spec_decode names; zero while it is off).
     ("spec_decode_num_drafts", "spec_decode_num_drafts",
      "Verifications of at least one draft token.", True),

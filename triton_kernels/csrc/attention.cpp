@@ -54,6 +54,28 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query,
 }
 
 
+// Every seq_len in [0, max_blocks * block_size] and every block id a sequence reads (its
+// window's) in [0, num_blocks): the kernels index the table and the cache unchecked.
+void check_decode_tables(const at::Tensor& key_cache, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, int64_t window) {
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t max_blocks = block_tables.size(1);
+  for (int64_t s = 0; s < seq_lens.numel(); ++s) {
+    const int64_t len = lens[s];
+    TORCH_CHECK(len >= 0 && len <= max_blocks * block_size, "paged_attention_decode: sequence ",
+                s, " has seq_len ", len, ", outside [0, ", max_blocks * block_size,
+                "] (max_blocks x block_size)");
+    const int64_t first = window > 0 && len > window ? len - window : 0;
+    for (int64_t b = first / block_size; b < (len + block_size - 1) / block_size; ++b) {
+      const int64_t id = bt[s * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention_decode: sequence ", s,
+                  " reads block id ", id, " outside [0, ", num_blocks, ")");
+    }
+  }
+}
+
 }  // namespace
 
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache,
@@ -62,6 +84,8 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
                             double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention_decode: bad ranks");
+  TORCH_CHECK(key_cache.size(1) > 0 && key_cache.size(2) > 0,
+              "paged_attention_decode: block_size and num_kv_heads must be positive");
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention_decode: window, softcap >= 0");
   TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
               "paged_attention_decode: head mismatch");
@@ -69,10 +93,12 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
                   value_cache.stride(3) == 1, "paged_attention_decode: head_dim stride must be 1");
   TORCH_CHECK(out.sizes() == query.sizes(), "paged_attention_decode: out shape");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-                  seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  block_tables.dim() == 2 && seq_lens.scalar_type() == at::kInt &&
+                  seq_lens.is_contiguous() && seq_lens.dim() == 1 &&
                   block_tables.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
-              "paged_attention_decode: block_tables/seq_lens must be contiguous int32, one row "
-              "per sequence");
+              "paged_attention_decode: block_tables [num_seqs, max_blocks] and seq_lens "
+              "[num_seqs] must be contiguous int32");
+  check_decode_tables(key_cache, block_tables, seq_lens, window);
   const auto cache_type = key_cache.scalar_type();
   TORCH_CHECK(value_cache.scalar_type() == cache_type && out.scalar_type() == query.scalar_type() &&
                   (query.scalar_type() == cache_type ||

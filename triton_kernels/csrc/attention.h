@@ -383,6 +383,12 @@ inline void softmax16(__m512* s, __mmask16 valid, float softcap, float* m, __m51
       l[j] = _mm512_mul_ps(l[j], _mm512_set1_ps(alpha[j]));
     } else {
       alpha[j] = 1.f;
+      if (m[j] == -std::numeric_limits<float>::infinity()) {
+        // No finite score yet (they overflowed fp32 to -inf): these keys weigh 0, where
+        // exp(-inf - -inf) would be NaN in the sums.
+        _mm512_storeu_ps(p + 16 * j, _mm512_setzero_ps());
+        continue;
+      }
     }
     const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(s[j], _mm512_set1_ps(m[j])));
     l[j] = _mm512_add_ps(l[j], e);
@@ -778,7 +784,8 @@ void prefill_attention_run(const PrefillAttention<cache_t>& a, bool portable = f
 
 // out = decode attention of query over the caches ([num_seqs, num_heads, head_dim];
 // caches [num_blocks, block_size, num_kv_heads, head_dim] of the query's dtype, or
-// fp16/bf16 under an fp32 query). Checks shapes and dtypes.
+// fp16/bf16 under an fp32 query). Checks shapes, dtypes, seq_lens (0 .. max_blocks x
+// block_size; 0 gives zeros) and the block ids each sequence reads.
 // portable: run the portable kernel even where the blocked one applies (tests).
 // window: keys the query sees, its own included (0: all); softcap: Gemma 2's cap (0: none).
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache,

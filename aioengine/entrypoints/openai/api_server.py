@@ -140,14 +140,22 @@ async def health(request: Request) -> Response:
 
 
 async def engine_stats(request: Request) -> Response:
-    """``EngineStats`` as JSON; ``?block_map=1`` fills ``block_usage_map``."""
+    """``EngineStats`` as JSON; ``?block_map=1`` fills ``block_usage_map``;
+    ``?steps=1`` adds ``recent_steps``: the latest steps' ``[requests, tokens,
+    worker idle s, worker busy s]`` (per replica under data parallelism)."""
     serving = _serving(request)
     include_block_map = request.query_params.get("block_map") in ("1", "true")
+    include_steps = request.query_params.get("steps") in ("1", "true")
     engine = serving.engine
     body = dataclasses.asdict(engine.stats(include_block_map=include_block_map))
     if isinstance(engine, DPAsyncEngine):  # the totals above, each replica's below
         body["replicas"] = [dataclasses.asdict(s) for s in engine.replica_stats(include_block_map)]
         body["routing"] = dict(engine.router.decisions)
+        if include_steps:
+            for part, replica in zip(body["replicas"], engine.replicas, strict=True):
+                part["recent_steps"] = replica.recent_steps() if replica.core is not None else []
+    elif include_steps:
+        body["recent_steps"] = engine.recent_steps()
     return JSONResponse(body)
 
 

@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from aioengine.entrypoints.openai.middleware import admit_request
 from aioengine.entrypoints.openai.streaming import (
+    DeltaEvents,
     SSEResponse,
     collect,
     delta_logprobs,
@@ -126,6 +127,12 @@ async def _chat_stream(
     # deltas, then delta.tool_calls (id and name once, then argument fragments).
     streamers = {index: serving.tool_call_streamer(req) for index in range(n)}
 
+    deltas = DeltaEvents(
+        lambda index, text: chunk(
+            [ChatCompletionStreamChoice(index=index, delta={"content": text})]
+        )
+    )
+
     def choice_event(index: int, c: CompletionOutput) -> bytes:
         logprobs = None
         if req.logprobs:
@@ -136,6 +143,13 @@ async def _chat_stream(
         delta: dict[str, Any] = {"content": c.delta_text}
         finish_reason = c.finish_reason
         streamer = streamers[index]
+        if (
+            streamer is None
+            and logprobs is None
+            and finish_reason is None
+            and c.stop_reason is None
+        ):
+            return deltas.event(index, c.delta_text)
         if streamer is not None:
             content, calls = streamer.finish(c.text) if c.finish_reason else streamer.update(c.text)
             delta = {"content": content} if content or not calls else {}

@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from aioengine.entrypoints.openai.middleware import admit_request
 from aioengine.entrypoints.openai.streaming import (
+    DeltaEvents,
     SSEResponse,
     collect,
     delta_logprobs,
@@ -128,12 +129,16 @@ async def _completion_stream(
     # Text offset of each choice's next delta (OpenAI's logprobs.text_offset).
     offsets = {index: len(echoes[index // n]) for index in range(len(echoes) * n)}
 
+    deltas = DeltaEvents(lambda index, text: chunk([CompletionChoice(index=index, text=text)]))
+
     def choice_event(index: int, c: CompletionOutput) -> bytes:
         logprobs: CompletionLogprobs | None = None
         if req.logprobs is not None:
             ids, entries = delta_logprobs(c)
             logprobs = serving.completion_logprobs(ids, entries, req.logprobs, offsets[index])
         offsets[index] += len(c.delta_text)
+        if logprobs is None and c.finish_reason is None and c.stop_reason is None:
+            return deltas.event(index, c.delta_text)
         return chunk(
             [
                 CompletionChoice(
