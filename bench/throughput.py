@@ -329,12 +329,21 @@ def worker_idle(engine_kwargs: dict, num_running: int, prompt_len: int, output_l
 
 
 def sampling_share(rows_list: Sequence[int], threads: int, vocab_size: int, seed: int,
-                   steps: int = 12) -> dict:
+                   steps: int = 12, clock: str = "wall") -> dict:
     """The step breakdown at 1, 8, 32 rows: worker forward, LM head and sampler
     (ms, medians over full decode steps), in-process so the two halves of
     ``ModelRunnerOutput.sample_time`` can be timed apart; greedy and sampled
     (temperature 0.8, top-p 0.95) rows. All-greedy steps run the LM head's fused
-    argmax (``compute_greedy_tokens``), counted as the LM head; their sampler is 0."""
+    argmax (``compute_greedy_tokens``), counted as the LM head; their sampler is 0.
+
+    ``clock="cpu"`` (one thread only: every op then runs on the calling thread) times
+    with this thread's CPU time instead of the wall clock, which other processes on a
+    shared machine move far less; the step is then ``execute_model`` (batch
+    preparation included) and the forward is the step less the LM head and sampler.
+    Raises ``ValueError`` for the CPU clock with more than one thread."""
+    if clock == "cpu" and threads != 1:
+        raise ValueError("the cpu clock needs --threads 1 (other threads' time is not counted)")
+    now = time.thread_time if clock == "cpu" else time.perf_counter
     from aioengine import LLM, SamplingParams
     from aioengine.worker import model_runner as mr
 
@@ -345,9 +354,9 @@ def sampling_share(rows_list: Sequence[int], threads: int, vocab_size: int, seed
 
     def timed(name, fn):
         def wrapper(*a, **k):
-            t = time.perf_counter()
+            t = now()
             out = fn(*a, **k)
-            times[name] = times.get(name, 0.0) + time.perf_counter() - t
+            times[name] = times.get(name, 0.0) + now() - t
             return out
         return wrapper
 
@@ -371,11 +380,17 @@ def sampling_share(rows_list: Sequence[int], threads: int, vocab_size: int, seed
                 while llm.engine.has_unfinished_requests():
                     times.clear()
                     so = llm.engine.schedule()
+                    t = now()
                     ro = llm.executor.execute_model(so)
+                    step = now() - t
                     llm.engine.process_output(so, ro)
                     if so.num_reqs == rows and so.total_num_scheduled_tokens == rows:
-                        recs.append((ro.forward_time + ro.sample_time, ro.forward_time,
-                                     times.get("lm_head", 0.0), times.get("sampler", 0.0)))
+                        head, sampler = times.get("lm_head", 0.0), times.get("sampler", 0.0)
+                        if clock == "cpu":
+                            recs.append((step, step - head - sampler, head, sampler))
+                        else:
+                            recs.append((ro.forward_time + ro.sample_time, ro.forward_time,
+                                         head, sampler))
                 med = [1000 * statistics.median(x[j] for x in recs) for j in range(4)]
                 out[f"{mode}_{rows}"] = {"rows": rows, "step_ms": med[0], "forward_ms": med[1],
                                          "lm_head_ms": med[2], "sampler_ms": med[3],
@@ -433,6 +448,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-async-overhead", action="store_true")
     p.add_argument("--skip-worker-idle", action="store_true",
                    help="skip the worker idle time with and without --async-scheduling")
+    p.add_argument("--sampling-share-clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the step breakdown in this thread's CPU time (needs --threads 1), "
+                        "steady on a shared machine")
     p.add_argument("--sampling-share-rows", type=int, nargs="*", default=[1, 8, 32],
                    help="rows for the LM head / sampler step breakdown (none: skip)")
     p.add_argument("--ring-round-trips", type=int, default=2000, help="0: skip")
@@ -544,7 +562,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sampling_share_rows:
         report["sampling_share"] = phase("sampling share", sampling_share,
                                          args.sampling_share_rows, args.threads, vocab_size,
-                                         args.seed)
+                                         args.seed, 12, args.sampling_share_clock)
     if args.ring_round_trips:
         report["ring_round_trip"] = phase("ring round trip", ring_round_trip,
                                           args.ring_round_trips)

@@ -131,6 +131,15 @@ def test_no_bench_script_shadows_an_installed_module() -> None:
 
 
 @pytest.mark.slow
+def test_sampling_share_cpu_clock_needs_one_thread() -> None:
+    """The CPU clock counts the calling thread only, so with more threads the step
+    breakdown would drop the others' work: refused before the model loads."""
+    from bench.throughput import sampling_share
+
+    with pytest.raises(ValueError, match="--threads 1"):
+        sampling_share([1], 2, 100, 0, clock="cpu")
+
+
 def test_throughput_script_writes_both_sides(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     run_script("throughput.py", "--num-prompts", "2", "--input-len-range", "8", "16",

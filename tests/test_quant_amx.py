@@ -102,6 +102,34 @@ def test_table_decoder_gives_the_same_tiles_as_the_fp32_decoder(qtype):
         ops.set_amx_table_decode(before)
 
 
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "hi_lo"])
+@pytest.mark.parametrize("qtype", THIRTY_TWO_VALUE_FORMATS, ids=lambda t: t.name)
+def test_decode_ring_gives_the_bits_of_the_whole_buffer(qtype, bf16):
+    """Up to 32 rows of x (one pass over the row groups) gemm_tile decodes each chunk of K
+    two ahead into a ring of 4 chunks; more rows keep every chunk for the later passes. A
+    row of y depends only on its own row of x, in the same order of tile products, so the
+    first 32 rows of a 64-row call (the whole buffer) must equal a 32-row call (the ring)
+    bit for bit, as must 9 and 17 rows (17 and 32 in the hi + lo mode: its lo tiles too).
+    K of 1, 3, 5 and 18 chunks (fewer than, about and more than the ring); 7 tiles of
+    weight rows and a tail (229 = 7 x 32 + 5), so tiles prefetch the rows 4 tiles on
+    while they decode."""
+    ops = cpu_ops.load()
+    cpu_ops.set_bf16_gemm(bf16)
+    g = torch.Generator().manual_seed(200 + int(qtype))
+    n = 229
+    for blocks in (1, 3, 5, 18):
+        k = block_cols(qtype, blocks)
+        data = torch.from_numpy(random_weight(qtype, n, k, seed=blocks))
+        bias = torch.randn(n, generator=g)
+        x = torch.randn(64, k, generator=g)
+        whole = ops.quant_linear(x, [data], [int(qtype)], k, bias, 3)
+        for m in (9, 17, 32) if bf16 else (17, 32):  # hi + lo: AMX from 17 rows
+            ring = ops.quant_linear(x[:m].contiguous(), [data], [int(qtype)], k, bias, 3)
+            assert torch.equal(ring, whole[:m]), f"M={m} K={k}: the ring's rows differ"
+        argmax = ops.quant_linear_argmax(x[:32].contiguous(), [data], [int(qtype)], k, bias, 3)
+        assert torch.equal(argmax, whole[:32].argmax(dim=1)), f"K={k}: argmax differs"
+
+
 # -- the default model, 16 sequences side by side ------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,11 @@ constexpr int kXfeatureXtiledata = 18;
 constexpr int64_t kTile = 16;           // rows of a tile: weight rows (A, C) and x rows (B, C)
 constexpr int64_t kChunk = 32;          // bf16 values of K in a tile row (64 bytes)
 constexpr int64_t kTileElems = kTile * kChunk;  // bf16 values in a 1 KiB tile
+// gemm_tile's decoder runs this many chunks of K ahead of the tile loads, into a ring of
+// kRingChunks chunks (one pass over x); measured on the 32-row LM head (one core, the
+// /tmp harness of bench/README.md): 2 ahead in a ring of 4 beat 1 in 2 and 2 in 3.
+constexpr int64_t kDecodeAhead = 2;
+constexpr int64_t kRingChunks = 4;
 
 // Tile registers (literal numbers below: the intrinsics paste them into the assembly):
 // tmm0/1 A, weight rows 0-15 and 16-31; tmm2/3 B, two groups of 16 rows of x; tmm4-7 C
@@ -158,7 +163,19 @@ void gemm_tile(uint16_t* a_hi, uint16_t* a_lo, int64_t rows, const PackedActivat
   const int64_t a_tiles = rows > kTile ? 2 : 1;
   const int64_t stride = chunks * kTileElems;  // between B tiles of consecutive row groups
   const int64_t a_stride = 2 * kTileElems;      // between chunks of the A tiles
-  if (decoder != nullptr) decoder->decode(decoder->ctx, 0, a_hi, a_lo);
+  // Where chunk kc's A tiles are. With one pass over x (up to 32 rows) a decoded chunk is
+  // read once, so the decoder fills a ring of kRingChunks chunks: the ring (8 KiB) and
+  // x's B tiles (36 KiB at K = 576) then stay in L1, where the whole A buffer beside them
+  // (another 36 KiB) spilled the tile loads to L2 (one core, the tile products alone of
+  // the 32-row LM head: 1.5 ms with the whole buffer, 0.9 ms with the ring). Several
+  // passes read every chunk again, so they keep the whole buffer.
+  const bool ring = decoder != nullptr && x.row_tiles <= 2;
+  const auto a_at = [&](int64_t kc) { return (ring ? kc % kRingChunks : kc) * a_stride; };
+  // Decoded kDecodeAhead chunks before their tile loads: a tile load waits for the vector
+  // stores it reads to reach L1, so decoding the very next chunk made it wait for them.
+  if (decoder != nullptr)
+    for (int64_t kc = 0; kc < std::min(kDecodeAhead, chunks); ++kc)
+      decoder->decode(decoder->ctx, kc, a_hi + a_at(kc), x3 ? a_lo + a_at(kc) : nullptr);
   for (int64_t mt = 0; mt < x.row_tiles; mt += 2) {
     const bool two = mt + 1 < x.row_tiles;
     const uint16_t* b0 = x.hi.data() + mt * stride;
@@ -168,7 +185,7 @@ void gemm_tile(uint16_t* a_hi, uint16_t* a_lo, int64_t rows, const PackedActivat
     _tile_zero(6);
     _tile_zero(7);
     for (int64_t kc = 0; kc < chunks; ++kc) {
-      const int64_t off = kc * kTileElems, a_off = kc * a_stride;
+      const int64_t off = kc * kTileElems, a_off = a_at(kc);
       _tile_loadd(0, a_hi + a_off, 64);
       _tile_loadd(1, a_hi + a_off + kTileElems, 64);
       _tile_loadd(2, b0 + off, 64);
@@ -199,10 +216,13 @@ void gemm_tile(uint16_t* a_hi, uint16_t* a_lo, int64_t rows, const PackedActivat
           _tile_dpbf16ps(7, 1, 3);
         }
       }
-      // The next chunk's weights, decoded while the AMX unit works on this one's products
-      if (decoder != nullptr && mt == 0 && kc + 1 < chunks)
-        decoder->decode(decoder->ctx, kc + 1, a_hi + a_off + a_stride,
-                        x3 ? a_lo + a_off + a_stride : nullptr);
+      // A later chunk's weights, decoded while the AMX unit works on this one's products
+      // (its ring slot was last read by chunk kc + kDecodeAhead - kRingChunks, whose tile
+      // loads come before these stores in program order).
+      if (decoder != nullptr && mt == 0 && kc + kDecodeAhead < chunks) {
+        const int64_t next = a_at(kc + kDecodeAhead);
+        decoder->decode(decoder->ctx, kc + kDecodeAhead, a_hi + next, x3 ? a_lo + next : nullptr);
+      }
     }
     _tile_stored(4, c[0][0], 64);
     _tile_stored(5, c[0][1], 64);

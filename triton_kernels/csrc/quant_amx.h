@@ -65,8 +65,10 @@ void pack_weight_rows(const float* w, int64_t ldw, int64_t rows, int64_t K, bool
 
 // Fills chunk kc (32 values of K) of the A tiles of gemm_tile (hi, and lo when given) for
 // all kWeightRows rows, from the caller's weight tile (ctx): gemm_tile calls it for chunk
-// kc + 1 right after issuing chunk kc's tile products, so the AMX unit multiplies while
-// the core decodes (the rows of a 32-value format are decoded in registers, quant_ops.cpp).
+// kc + 2 right after issuing chunk kc's tile products, so the AMX unit multiplies while
+// the core decodes (the rows of a 32-value format are decoded in registers, quant_ops.cpp)
+// and the tile loads find their chunk's stores done. The decoder may also ask for a later
+// tile's weight bytes there (quant_ops.cpp spreads its prefetches over the chunks).
 struct ChunkDecoder {
   void (*decode)(const void* ctx, int64_t kc, uint16_t* hi, uint16_t* lo) = nullptr;
   const void* ctx = nullptr;
@@ -83,7 +85,8 @@ struct RowArgmax {
 
 // y[m * ldy + r] = dot(x[m], w[r]) (+ bias[r]) for m < x.rows, r < rows (<= kWeightRows),
 // w given as A tiles (a_lo only read for kBf16x3). With `decoder`, the A tiles are filled
-// chunk by chunk here (a_hi/a_lo are then its output buffers). With `argmax`, y is not
+// chunk by chunk here (a_hi/a_lo are then its output buffers, weight_tile_elems(K) values
+// each; with up to 32 rows of x only their first 4 chunks are used, as a ring). With `argmax`, y is not
 // written: argmax is updated with weight rows n0 + r instead (same sums, bit for bit).
 void gemm_tile(uint16_t* a_hi, uint16_t* a_lo, int64_t rows, const PackedActivations& x,
                float* y, int64_t ldy, const float* bias, const ChunkDecoder* decoder = nullptr,

@@ -798,39 +798,60 @@ void bf16_chunk_lut(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t 
 
 using Bf16Chunk = void (*)(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, uint16_t*);
 
-Bf16Chunk bf16_chunk_for(int qtype) {
+// Format -> its decoder (the table one where the build has AVX-512 BW and
+// set_amx_table_decode leaves it on); one table of type sizes for both decoders.
+template <int QT, int TS>
+Bf16Chunk bf16_chunk_of() {
 #if defined(__AVX512BW__)
-  if (bf16_chunk_lut_on.load(std::memory_order_relaxed)) {
-    switch (qtype) {
-      case kQ8_0: return bf16_chunk_lut<kQ8_0, 34>;
-      case kQ4_0: return bf16_chunk_lut<kQ4_0, 18>;
-      case kQ4_1: return bf16_chunk_lut<kQ4_1, 20>;
-      case kQ5_0: return bf16_chunk_lut<kQ5_0, 22>;
-      case kQ5_1: return bf16_chunk_lut<kQ5_1, 24>;
-      default: return nullptr;
-    }
-  }
+  if (bf16_chunk_lut_on.load(std::memory_order_relaxed)) return bf16_chunk_lut<QT, TS>;
 #endif
+  return bf16_chunk<QT, TS>;
+}
+
+Bf16Chunk bf16_chunk_for(int qtype) {
   switch (qtype) {
-    case kQ8_0: return bf16_chunk<kQ8_0, 34>;
-    case kQ4_0: return bf16_chunk<kQ4_0, 18>;
-    case kQ4_1: return bf16_chunk<kQ4_1, 20>;
-    case kQ5_0: return bf16_chunk<kQ5_0, 22>;
-    case kQ5_1: return bf16_chunk<kQ5_1, 24>;
+    case kQ8_0: return bf16_chunk_of<kQ8_0, 34>();
+    case kQ4_0: return bf16_chunk_of<kQ4_0, 18>();
+    case kQ4_1: return bf16_chunk_of<kQ4_1, 20>();
+    case kQ5_0: return bf16_chunk_of<kQ5_0, 22>();
+    case kQ5_1: return bf16_chunk_of<kQ5_1, 24>();
     default: return nullptr;
   }
 }
 
-// amx::ChunkDecoder's context: one weight tile of a 32-value format.
+// amx::ChunkDecoder's context: one weight tile of a 32-value format, and the weight rows
+// a later tile will read (prefetch_rows rows of prefetch_row_bytes bytes, row_stride apart;
+// none when prefetch_rows is 0), asked for a 1/chunks share per decoded chunk.
 struct ChunkSource {
   Bf16Chunk fn;
   const uint8_t* data;
   int64_t row_stride, rows;
+  int64_t chunks = 1;
+  const uint8_t* prefetch = nullptr;
+  int64_t prefetch_rows = 0, prefetch_row_bytes = 0;
 };
 
+// Spreading the prefetches over the chunks matters: asked for all at once before the tile
+// (20 KB of the LM head's Q8_0 rows, 300+ lines), they fill the core's line-fill buffers
+// and the decode's own loads queue behind them, so the stream and the decode added up
+// (one core, the 32-row LM head: 4.5-5.0 ms at once, 3.1-3.3 ms spread; bench/README.md).
 void decode_chunk(const void* ctx, int64_t kc, uint16_t* hi, uint16_t* lo) {
   const ChunkSource& c = *static_cast<const ChunkSource*>(ctx);
   c.fn(c.data, c.row_stride, c.rows, kc, hi, lo);
+  if (c.prefetch_rows == 0) return;
+  const int64_t lines_per_row = (c.prefetch_row_bytes + 63) / 64;
+  const int64_t lines = c.prefetch_rows * lines_per_row;
+  const int64_t share = (lines + c.chunks - 1) / c.chunks;
+  const int64_t first = kc * share, n = std::min(lines, first + share) - first;
+  // one division a chunk: per line it cost more than the decode (two 64-bit divisions each)
+  int64_t row = first / lines_per_row, line = first % lines_per_row;
+  for (int64_t i = 0; i < n; ++i) {
+    prefetch(c.prefetch + row * c.row_stride + line * 64);
+    if (++line == lines_per_row) {
+      line = 0;
+      ++row;
+    }
+  }
 }
 
 #endif
@@ -1258,6 +1279,8 @@ void quant_linear_impl(float* y, int64_t ldy, const float* x, int64_t ldx, int64
   std::vector<int64_t> row_bytes(w.parts.size());
   // Parts decoded in registers (AVX-512 GEMV for the 32-value formats) or through the buffer.
   std::vector<char> fused(w.parts.size(), 0);
+  // Parts the AMX GEMM decodes chunk by chunk (32-value formats) rather than through the buffer.
+  std::vector<char> bf16_decodable(w.parts.size(), 0);
   // AMX (M > 8): x packed into bf16 tiles once, before the threads
   thread_local amx::PackedActivations packed;
   // a pointer: inside the threads' lambda `packed` would name each thread's own instance
@@ -1276,6 +1299,9 @@ void quant_linear_impl(float* y, int64_t ldy, const float* x, int64_t ldx, int64
 #if defined(AIOENGINE_HAVE_AVX512)
     fused[p] = isa >= Isa::kAvx512 && M <= kGemvMaxRows &&
                avx512::gemv(w.parts[p].qtype, 1, 1) != nullptr;
+#endif
+#if defined(AIOENGINE_HAVE_AVX512) && defined(__AVX512BF16__)
+    bf16_decodable[p] = avx512::bf16_chunk_for(w.parts[p].qtype) != nullptr;
 #endif
 #if defined(AIOENGINE_HAVE_VNNI)
     const int qt = w.parts[p].qtype;
@@ -1334,13 +1360,15 @@ void quant_linear_impl(float* y, int64_t ldy, const float* x, int64_t ldx, int64
       // ahead, so the misses of one thread overlap instead of queueing behind its compute.
       // (Not for a part whose AMX tiles were decoded once: those are what the GEMM reads.)
       const bool packed_tiles = use_amx && !x3 && part.amx_tiles != nullptr;
-      if (!packed_tiles && t + kPrefetchTiles < end && t + kPrefetchTiles < first_tile[p + 1]) {
-        const int64_t ahead = r0 + kPrefetchTiles * T;
-        const int64_t stop = std::min(part.rows, ahead + T);
-        for (int64_t r = ahead; r < stop; ++r)
+      // (AMX with a chunk decoder: its decode_chunk calls ask for them, spread out.)
+      const bool chunk_decoded = use_amx && !packed_tiles && bf16_decodable[p];
+      const bool ahead_ok = t + kPrefetchTiles < end && t + kPrefetchTiles < first_tile[p + 1];
+      const int64_t ahead = r0 + kPrefetchTiles * T;
+      const int64_t ahead_rows = ahead_ok ? std::min(part.rows, ahead + T) - ahead : 0;
+      if (!packed_tiles && !chunk_decoded)
+        for (int64_t r = ahead; r < ahead + ahead_rows; ++r)
           for (int64_t off = 0; off < row_bytes[p]; off += 64)
             prefetch(part.data + r * part.row_stride + off);
-      }
 #if defined(AIOENGINE_HAVE_VNNI)
       if (q8_of[p] != nullptr) {
         const int R = static_cast<int>(rows);
@@ -1381,7 +1409,13 @@ void quant_linear_impl(float* y, int64_t ldy, const float* x, int64_t ldx, int64
         // 32-value formats: decoded chunk by chunk inside gemm_tile, overlapping the
         // tile products; the others through the fp32 buffer first.
         const avx512::ChunkSource source{avx512::bf16_chunk_for(part.qtype),
-                                         part.data + r0 * part.row_stride, part.row_stride, rows};
+                                         part.data + r0 * part.row_stride,
+                                         part.row_stride,
+                                         rows,
+                                         (K + QK - 1) / QK,
+                                         part.data + ahead * part.row_stride,
+                                         ahead_rows,
+                                         row_bytes[p]};
         const amx::ChunkDecoder decoder{avx512::decode_chunk, &source};
         if (source.fn == nullptr) {
           for (int64_t r = 0; r < rows; ++r)
