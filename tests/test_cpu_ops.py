@@ -155,6 +155,24 @@ def test_decode_kernel_window_softcap_equal_the_torch_reference(num_heads, num_k
 PREFILL_CHUNKS = [(5, 5), (16, 53), (1, 90), (70, 70), (33, 333), (17, 33), (1, 1)]
 
 
+def prefill_case(chunks, num_heads: int, num_kv_heads: int, head_dim: int,
+                 cache_dtype: torch.dtype):
+    """A prefill batch of ``chunks`` ``[(q_len, seq_len)]`` with its caches in
+    ``cache_dtype``: ``(batch, block_tables clamped to the cache, attention metadata
+    for windowed_paged_attention)``."""
+    from types import SimpleNamespace
+
+    q_lens, seq_lens = zip(*chunks, strict=True)
+    batch = make_batch(list(q_lens), list(seq_lens), num_heads, num_kv_heads, 16,
+                       head_dim=head_dim, seed=head_dim + num_heads)
+    for name in ("key_cache", "value_cache"):
+        batch[name] = batch[name].to(cache_dtype)
+    block_tables = batch["block_tables"].clamp(max=batch["key_cache"].shape[0] - 1)
+    attn = SimpleNamespace(cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"],
+                           block_tables=block_tables)
+    return batch, block_tables, attn
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (16, 2)])
@@ -165,18 +183,10 @@ def test_prefill_kernel_equals_the_torch_reference(num_heads, num_kv_heads, head
     # (windowed_paged_attention) on the widened cache: ragged chunks and prefixes, groups
     # 1/3/8. A kernel that let a query see a later key, dropped the prefix, mis-rescaled a
     # span of the online softmax or read the wrong head fails by far more than rounding.
-    from types import SimpleNamespace
-
     from aioengine.models.layers.attention import windowed_paged_attention
 
-    q_lens, seq_lens = zip(*PREFILL_CHUNKS, strict=True)
-    batch = make_batch(list(q_lens), list(seq_lens), num_heads, num_kv_heads, 16,
-                       head_dim=head_dim, seed=head_dim + num_heads)
-    for name in ("key_cache", "value_cache"):
-        batch[name] = batch[name].to(cache_dtype)
-    block_tables = batch["block_tables"].clamp(max=batch["key_cache"].shape[0] - 1)
-    attn = SimpleNamespace(cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"],
-                           block_tables=block_tables)
+    batch, block_tables, attn = prefill_case(PREFILL_CHUNKS, num_heads, num_kv_heads,
+                                             head_dim, cache_dtype)
     threads = torch.get_num_threads()
     try:
         for window, softcap in ((None, None), (24, None), (None, 1.5)):
@@ -229,18 +239,10 @@ def test_prefill_amx_tiles_equal_the_torch_reference(num_heads, num_kv_heads, he
     # bf16 (set_bf16_attention(True)): Q, K, P and V rounded to 8 significant bits,
     # relative error 2^-8 each, so the output is within two bf16 roundings of the largest
     # |v| (2 * 2^-8 * max|v|) at the model's scale.
-    from types import SimpleNamespace
-
     from aioengine.models.layers.attention import windowed_paged_attention
 
-    q_lens, seq_lens = zip(*AMX_PREFILL_CHUNKS, strict=True)
-    batch = make_batch(list(q_lens), list(seq_lens), num_heads, num_kv_heads, 16,
-                       head_dim=head_dim, seed=head_dim + num_heads)
-    for name in ("key_cache", "value_cache"):
-        batch[name] = batch[name].to(cache_dtype)
-    block_tables = batch["block_tables"].clamp(max=batch["key_cache"].shape[0] - 1)
-    attn = SimpleNamespace(cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"],
-                           block_tables=block_tables)
+    batch, block_tables, attn = prefill_case(AMX_PREFILL_CHUNKS, num_heads, num_kv_heads,
+                                             head_dim, cache_dtype)
     key_cache, value_cache = batch["key_cache"].float(), batch["value_cache"].float()
     bf16_atol = 2 * 2.0**-8 * value_cache.abs().max().item()
     threads = torch.get_num_threads()
