@@ -1,5 +1,5 @@
 // SIMD helpers shared by the CPU kernels: libmvec's vector expf, fp32 dot products and
-// axpy over fp32/fp16/bf16 rows (the KV cache's element types), and the register-blocked
+// axpy over fp32/fp16/bf16/fp8 rows (the KV cache's element types), and the register-blocked
 // fp32 micro-tile that both the skinny linear (linear.cpp) and the quantized GEMM's
 // tile buffer (quant_ops.cpp) run.
 
@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <cstdint>
+
+#include "fp8.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -82,7 +84,8 @@ inline void axpy<float>(float* y, float alpha, const float* x, int64_t n) {
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// 16 fp32, fp16 or bf16 values (a KV cache of --kv-cache-dtype float16/bfloat16) as fp32.
+// 16 fp32, fp16, bf16 or fp8 values (a KV cache of --kv-cache-dtype float16/bfloat16/fp8)
+// as fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -91,7 +94,16 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  return fp8::e4m3_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 load16(const c10::Float8_e5m2* p) {
+  return fp8::e5m2_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
+// The portable kernels' fp16/bf16 rows (below); their fp8 rows keep the generic loops,
+// c10's scalar conversion, which is what a CPU without AVX-512 runs (portable = true
+// tests it here).
 template <typename T>
 inline float dot_half(const float* a, const T* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
