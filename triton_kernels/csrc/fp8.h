@@ -122,13 +122,15 @@ inline __m512 e5m2_to_ps(__m128i bytes) {
 // shifted left by 7 make the fp16 of the value times 2^-8 (exponent bias 15 against 7;
 // subnormals land on fp16 subnormals), converted and scaled by 2^8, both exact. Sign
 // extension then shift left 7 puts the sign in bit 15 (and a copy in bit 14, cleared).
-// S.1111.111, the NaNs, would come out as +-480, outside the format's range: NaN there.
+// S.1111.111, the NaNs, would come out as +-480 (+-1.875 before the scaling), outside the
+// format's range: those lanes take NaN instead of the product (one masked multiply).
 inline __m512 e4m3_to_ps(__m128i bytes) {
   const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
                                      _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
-  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
-  const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(480.f), _CMP_EQ_OQ);
-  return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  const __m512 f = _mm512_cvtph_ps(h);
+  const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(1.875f), _CMP_NEQ_UQ);
+  return _mm512_mask_mul_ps(_mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()), finite, f,
+                            _mm512_set1_ps(256.f));
 }
 #endif
 
