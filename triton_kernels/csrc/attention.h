@@ -773,30 +773,10 @@ constexpr int64_t kTileElems = 512;  // bf16 values in a 16 x 32 tile (1 KiB)
 // dst (16 rows of 64 bytes) = the transpose of src (16 rows of 64 bytes) in 32-bit lanes:
 // dst row j holds lane j of src rows 0 .. 15.
 inline void transpose_tile(const uint16_t* src, uint16_t* dst) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src) + 16 * i);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < 4; ++i) {
-      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
-      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
-    }
+  __m512 col[16];
+  simd::transpose16x16(reinterpret_cast<const float*>(src), col);
   float* out = reinterpret_cast<float*>(dst);
-  for (int i = 0; i < 8; ++i) {
-    _mm512_storeu_ps(out + 16 * i, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
-    _mm512_storeu_ps(out + 16 * (8 + i), _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
-  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + 16 * i, col[i]);
 }
 
 // bf16 of v0 (values 0-15) and v1 (16-31), rounded to nearest even; and, where lo is

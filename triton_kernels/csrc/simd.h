@@ -144,6 +144,37 @@ inline void axpy<c10::BFloat16>(float* y, float alpha, const c10::BFloat16* x, i
 // quantized GEMM's dequantized tile buffer (quant_ops.cpp, which also runs the AVX2 one on
 // an AVX-512 build when a test asks for that path).
 namespace simd {
+#if defined(__AVX512F__)
+// In-register 16 x 16 transpose of 32-bit lanes: src's 16 rows of 16 (64 bytes apart),
+// dst[j] = column j. The AMX kernels' layout step: the GEMM's C tiles back to rows of y
+// (quant_amx.cpp) and K^T's B tiles of the prefill attention (attention.h).
+inline void transpose16x16(const float* src, __m512* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + 16 * i);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    dst[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    dst[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // 32 fp32 values (v0: 0-15, v1: 16-31) as bf16 hi = bf16(v), rounded to nearest even, and,
 // where lo is given, lo = bf16(v - hi) (v - hi is exact in fp32). For the AMX GEMM
