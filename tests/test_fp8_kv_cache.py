@@ -459,3 +459,19 @@ def test_the_engine_serves_from_an_fp8_cache_of_twice_the_fp16_blocks(one_thread
     assert fp8.num_blocks == 2 * half.num_blocks
     for a, b in zip(fp8_out, half_out, strict=True):
         assert a[:3] == b[:3], (a, b)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_the_torch_path_reads_an_fp8_cache_as_the_kernels_do(dtype):
+    """Where the C++ kernels are off (``AIOENGINE_CPU_KERNELS=0``) or missing, the planned
+    attention gathers, upcasts and runs SDPA over the same fp8 cache: equal to the fp64
+    oracle, decode rows and prompt chunks alike."""
+    q_lens, seq_lens = zip(*PREFILL_CHUNKS, strict=True)
+    batch = fp8_batch(list(q_lens), list(seq_lens), 9, 3, 64, dtype, seed=3)
+    plan = triton_kernels.plan_attention(
+        torch.zeros(batch["query"].shape[0], dtype=torch.int64), batch["block_tables"],
+        batch["cu_seqlens_q"], batch["seq_lens"], batch["max_seqlen_q"],
+        batch["max_seqlen_k"], batch["key_cache"])
+    out = attention_plan.paged_attention_planned(batch["query"], batch["key_cache"],
+                                                 batch["value_cache"], plan, batch["scale"])
+    assert_close_to_oracle(out, batch, batch["scale"])
