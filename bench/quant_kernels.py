@@ -13,8 +13,10 @@ kernels on the default model: the fused 30-layer stack (``cpu_ops.LlamaDecodeLay
 Q4_1 projections, 128 tokens of context each) plus the Q8_0 LM head.
 
 ``--attention`` times decode attention alone (the blocked AVX-512 kernel against the
-portable one, fp32, fp16 and bf16 caches) beside its floor, the cache's bytes at the measured
-read bandwidth; ``--kv-cache-dtype float16`` runs ``--decode`` over an fp16 cache.
+portable one, ``--attention-dtypes`` caches: fp32, fp16, bf16 and the fp8 ones, E4M3 and
+E5M2) beside its floor, the cache's bytes at the measured read bandwidth, at
+``--decode-batch`` sequences x ``--attention-contexts`` keys; ``--kv-cache-dtype
+float16`` (or ``fp8``, ...) runs ``--decode`` over that cache.
 
 ``--argmax`` also times the fused greedy LM head (``quant.argmax_linear``: the same tiles,
 only each row's running argmax kept) on each path, and prints each weight's streaming
@@ -35,7 +37,8 @@ times the step both ways too. ``--breakdown`` adds the fused step's time by op.
 Usage: python bench/quant_kernels.py [--formats Q4_1,Q8_0] [--rows 1,8,32,64]
        [--shapes lm_head,gate,down] [--argmax]
        [--decode] [--decode-batch 1,32] [--threads N] [--clock wall|cpu] [--min-time 0.3]
-       [--q8] [--breakdown] [--kv-cache-dtype float16] [--attention]
+       [--q8] [--breakdown] [--kv-cache-dtype float16|fp8|...] [--attention]
+       [--attention-dtypes float16,fp8] [--attention-contexts 128,1024]
 
 Times are the best of three rounds, wall-clock by default. On a machine other work
 shares, an OpenMP region waits whenever one of its threads is descheduled, and a
@@ -62,7 +65,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from triton_kernels import cpu_ops, quant  # noqa: E402
+from triton_kernels import cpu_ops, quant, reference  # noqa: E402
 from triton_kernels.quant import QuantizedWeight  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -325,22 +328,32 @@ def _time_layers(fused, batch: int, layers: int, kv_heads: int, head_dim: int, h
     return time_call(step, min_time)
 
 
+#: ``--kv-cache-dtype`` names (the server's) -> the cache's element type.
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+                   "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def bench_attention(batches: list[int], min_time: float, read_gbs: float,
-                    contexts: tuple[int, ...] = (128, 512)) -> list[dict]:
+                    contexts: tuple[int, ...] = (128, 512),
+                    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16,
+                                                       torch.bfloat16)) -> list[dict]:
     """Decode attention alone (``paged_attention_decode``), the default model's shape (9
     query heads on 3 KV heads of 64, block size 16) over 30 layers' caches of
-    ``batch`` sequences x ``context`` keys, fp32, fp16 and bf16 caches: the blocked kernel
-    (AVX-512 builds) against the portable one, interleaved. A step reads every cached K
-    and V once, so bytes / ``read_gbs`` is its floor (its FLOPs, 4 * heads * head_dim a
-    key, are far below the GEMM ceiling)."""
+    ``batch`` sequences x ``context`` keys, one cache of each of ``dtypes`` (fp8 ones
+    written as the engine writes them, saturated): the blocked kernel (AVX-512 builds)
+    against the portable one, interleaved. A step reads every cached K and V once, so
+    bytes / ``read_gbs`` is its floor (its FLOPs, 4 * heads * head_dim a key, are far
+    below the GEMM ceiling)."""
     ops = cpu_ops.load()
     layers, heads, kv_heads, head_dim, block_size = 30, 9, 3, 64, 16
     results = []
     for batch in batches:
         for context in contexts:
-            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for dtype in dtypes:
                 blocks = batch * -(-context // block_size)
-                kv = torch.randn(layers, 2, blocks, block_size, kv_heads, head_dim).to(dtype)
+                kv = reference.to_kv_cache_dtype(
+                    torch.randn(layers, 2, blocks, block_size, kv_heads, head_dim), dtype)
                 tables = torch.arange(blocks, dtype=torch.int32).view(batch, -1)
                 lens = torch.full((batch,), context, dtype=torch.int32)
                 q = torch.randn(batch, heads, head_dim)
@@ -357,11 +370,12 @@ def bench_attention(batches: list[int], min_time: float, read_gbs: float,
                     blocked_s = min(blocked_s, time_call(lambda: step(False), min_time))
                 gb = batch * context * kv_heads * head_dim * 2 * layers * kv.element_size() / 1e9
                 row = {"batch": batch, "context": context, "cache": str(dtype)[6:],
+                       "loadavg": os.getloadavg()[0],
                        "portable_ms": portable_s * 1e3, "blocked_ms": blocked_s * 1e3,
                        "kv_mb": gb * 1e3, "floor_ms": gb / read_gbs * 1e3,
                        "blocked_gbs": gb / blocked_s}
                 results.append(row)
-                print(f"attention batch {batch:3d} x {context:4d} keys, {row['cache']:>7} "
+                print(f"attention batch {batch:3d} x {context:4d} keys, {row['cache']:>13} "
                       f"cache ({row['kv_mb']:5.0f} MB a step): portable "
                       f"{row['portable_ms']:7.2f} ms, blocked {row['blocked_ms']:7.2f} ms "
                       f"({portable_s / blocked_s:.2f}x, {row['blocked_gbs']:4.1f} GB/s); "
@@ -386,11 +400,17 @@ def main() -> None:
                              "step with them")
     parser.add_argument("--breakdown", action="store_true",
                         help="with --decode: the fused step's time by op")
-    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16"], default="float32",
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="float32",
                         help="with --decode: the KV cache's element type")
     parser.add_argument("--attention", action="store_true",
                         help="decode attention alone at --decode-batch sizes (blocked vs "
-                             "portable kernel, fp32 and fp16 caches) beside its bandwidth floor")
+                             "portable kernel, --attention-dtypes caches) beside its "
+                             "bandwidth floor")
+    parser.add_argument("--attention-dtypes", default="float32,float16,bfloat16",
+                        help="with --attention: the caches, --kv-cache-dtype names "
+                             "(comma-separated; fp8, fp8_e5m2 too)")
+    parser.add_argument("--attention-contexts", default="128,512",
+                        help="with --attention: keys per sequence (comma-separated)")
     parser.add_argument("--shapes", default="",
                         help="only these of the linear shapes (comma-separated parts of their "
                              "names, e.g. lm_head,gate,down); default all")
@@ -434,10 +454,12 @@ def main() -> None:
               "linears": bench_linears(formats, rows, args.min_time, args.q8,
                                        [n for n in args.shapes.split(",") if n], args.argmax,
                                        ceiling["read_gbs"] if args.argmax else None)}
-    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
     if args.attention:
         report["attention"] = bench_attention(
-            [int(b) for b in args.decode_batch.split(",")], args.min_time, ceiling["read_gbs"])
+            [int(b) for b in args.decode_batch.split(",")], args.min_time, ceiling["read_gbs"],
+            tuple(int(c) for c in args.attention_contexts.split(",")),
+            tuple(KV_CACHE_DTYPES[d.strip()] for d in args.attention_dtypes.split(",")))
     if args.decode:
         batches = [int(b) for b in args.decode_batch.split(",")]
         cpu_ops.set_q8_activations(False)

@@ -53,7 +53,7 @@ def test_kv_cache_dtype_other_than_the_activations_needs_fp32_on_a_cpu():
     with pytest.raises(ValueError):
         choose_kv_cache_dtype("bfloat16", torch.float32, "cuda")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        CacheConfig(kv_cache_dtype="fp8")
+        CacheConfig(kv_cache_dtype="fp4")
     assert EngineConfig.from_kwargs(kv_cache_dtype="float16").cache.kv_cache_dtype == "float16"
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import attention_plan, reference
+from ._validation import FP8_DTYPES
 
 __all__ = [
     "AttentionPlan",
@@ -89,10 +90,21 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         plan: this step's ``plan_attention`` (built from the same ``slot_mapping``); on CPU
             the slots were checked there and are not checked again.
 
+    On CPU a cache narrower than fp32 activations (``--kv-cache-dtype``) stores K/V
+    rounded to nearest even; an fp8 one (OFP8 E4M3 / E5M2, unscaled) also saturated at
+    its largest finite value, written by the C++ kernel (``cpu_ops.reshape_and_cache``)
+    or its torch twin (``reference.to_kv_cache_dtype``), bit for bit alike.
+
     Raises:
         ValueError: on mismatched shapes, dtypes, devices or (CUDA) strides.
     """
     if plan is not None and not key_cache.is_cuda:
+        if key_cache.dtype in FP8_DTYPES and plan.slots is not None:
+            attention_plan._check_plan(plan, key, key_cache, value_cache)
+            from . import cpu_ops
+
+            if cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+                return
         attention_plan.reshape_and_cache_planned(key, value, key_cache, value_cache, plan)
         return
     if key_cache.is_cuda:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: The 8-bit KV caches (``--kv-cache-dtype fp8`` / ``fp8_e5m2``; OFP8 E4M3 and E5M2).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -42,9 +45,9 @@ def check_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache shape {_shape(value_cache)} differs from key_cache "
                          f"shape {_shape(key_cache)}")
-    if key_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"key_cache dtype must be float16, bfloat16 or float32, "
-                         f"got {key_cache.dtype}")
+    if key_cache.dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"key_cache dtype must be float16, bfloat16, float32, float8_e4m3fn "
+                         f"or float8_e5m2, got {key_cache.dtype}")
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype "
                          f"{key_cache.dtype}")
@@ -150,8 +153,8 @@ def check_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> No
     if kv_cache.dim() < 4 or kv_cache.shape[1] != 2:
         raise ValueError("kv_cache must be [num_layers, 2, num_blocks, ...], got "
                          f"{_shape(kv_cache)}")
-    if kv_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"kv_cache must be fp16, bf16 or fp32, got {kv_cache.dtype}")
+    if kv_cache.dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache must be fp16, bf16, fp32 or fp8, got {kv_cache.dtype}")
     if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
         raise ValueError(f"block_mapping must be [num_pairs, 2], got {_shape(block_mapping)}")
     if block_mapping.dtype != torch.int64:

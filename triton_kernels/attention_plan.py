@@ -238,15 +238,15 @@ def plan_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
 
 def cache_dtype_ok(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether a KV cache of ``cache_dtype`` serves activations of ``dtype`` on the CPU
-    path: the same dtype, or an fp16/bf16 cache under fp32 activations."""
-    return cache_dtype == dtype or (dtype == torch.float32
-                                    and cache_dtype in (torch.float16, torch.bfloat16))
+    path: the same dtype, or an fp16/bf16/fp8 (E4M3, E5M2) cache under fp32 activations."""
+    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype in (
+        torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 def _check_plan(plan: AttentionPlan, query_or_key: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor) -> None:
     """The cheap per-layer checks left once a plan exists: shapes against the plan. The
-    cache has the query's dtype, or is fp16/bf16 under fp32 (``--kv-cache-dtype``)."""
+    cache has the query's dtype, or is fp16/bf16/fp8 under fp32 (``--kv-cache-dtype``)."""
     if (query_or_key.shape[0] != plan.num_tokens
             or tuple(key_cache.shape[:2]) != (plan.num_blocks, plan.block_size)
             or value_cache.shape != key_cache.shape

@@ -297,6 +297,32 @@ def paged_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
                                                   decode=decode_attention)
 
 
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """This step's K/V into their cache slots in C++ (``csrc/cache_write.cpp``), as the fused
+    decoder layers write them: rounded to nearest even to the cache's dtype and, for the
+    fp8 caches (OFP8 E4M3 / E5M2), saturated at +-448 / +-57344 (``csrc/fp8.h``; its torch
+    twin is ``reference.to_kv_cache_dtype``, bit for bit). Returns False, writing nothing,
+    where it does not apply: no build, tensors that are not fp32 K/V on the CPU.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` fp32, head_dim stride 1.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int (slot = block_id * block_size + offset; -1
+            skips the token).
+
+    Raises:
+        RuntimeError: (from C++) a shape, a dtype or a slot out of range.
+    """
+    ops = load()
+    if (ops is None or key.dtype != torch.float32 or value.dtype != torch.float32
+            or key_cache.device.type != "cpu" or not _unit_stride(key, value)):
+        return False
+    ops.reshape_and_cache(key, value, key_cache, value_cache,
+                          slot_mapping.to(torch.int64).contiguous())
+    return True
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> None:
     """In place: ``residual += x``, then ``x = rms_norm(residual) * weight``."""
@@ -493,7 +519,8 @@ class LlamaDecodeLayers:
                 (``sin`` holding ``[-sin, sin]``), or ``[num_tables, num_tokens, head_dim]``
                 with ``rope_tables``.
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
-                fp32, fp16 or bf16 (``--kv-cache-dtype``: K/V rounded to it when written).
+                fp32, fp16, bf16 or fp8 (``--kv-cache-dtype``: K/V rounded to it when
+                written, fp8 also saturated: ``reshape_and_cache``).
             plan: this step's ``plan_attention`` (slots and block ids already checked).
             scale: softmax scale.
 
@@ -508,7 +535,8 @@ class LlamaDecodeLayers:
                 or plan.written_tokens is not None
                 or (plan.prefill is not None and plan.seqs is None)
                 or residual.dtype != torch.float32
-                or kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+                or kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16,
+                                          torch.float8_e4m3fn, torch.float8_e5m2)):
             return None
         attention_plan._check_plan(plan, residual, kv_cache[0, 0], kv_cache[0, 1])
         if plan.prefill is None:
@@ -537,7 +565,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` fp32.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` fp32,
-            fp16 or bf16, already holding the chunks' K/V.
+            fp16, bf16, float8_e4m3fn or float8_e5m2, already holding the chunks' K/V.
         block_tables: ``[num_seqs, max_blocks]`` int32; seq_lens: ``[num_seqs]`` int32 (the
             chunk included); cu_seqlens_q: ``[num_seqs + 1]`` int32.
         sliding_window: keys a query sees, its own included (HF's mask); None: all.

@@ -277,6 +277,9 @@ def _check_triton(query: torch.Tensor, key_cache: torch.Tensor,
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have stride 1 in head_dim, got strides {t.stride()}")
+    if key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"the Triton attention kernels do not read an fp8 KV cache "
+                         f"({key_cache.dtype}); --kv-cache-dtype fp8 runs on the CPU only")
     if query.device.type != "cuda" and not _INTERPRETED:
         raise ValueError(f"the Triton attention kernels need CUDA tensors, got {query.device}; "
                          "use triton_kernels.paged_attention, which runs the torch reference "

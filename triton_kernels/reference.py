@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validation import check_attention, check_cache_write
+from ._validation import FP8_DTYPES, check_attention, check_cache_write
 
 # enable_gqa arrived in torch 2.5; older versions repeat the KV heads instead.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -117,10 +117,25 @@ def _write_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
         return
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_slots = num_blocks * block_size
-    # A narrower cache (--kv-cache-dtype) stores K/V rounded to its dtype.
-    key_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(num_slots, num_kv_heads, head_dim).index_copy_(
-        0, slots, value.to(value_cache.dtype))
+    # A narrower cache (--kv-cache-dtype) stores K/V rounded to its dtype. torch has no
+    # index_copy_ of fp8 on the CPU: an fp8 cache is written through its bytes.
+    for x, cache in ((key, key_cache), (value, value_cache)):
+        rows = to_kv_cache_dtype(x, cache.dtype)
+        if cache.dtype in FP8_DTYPES:
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(num_slots, num_kv_heads, head_dim).index_copy_(0, slots, rows)
+
+
+def to_kv_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the KV cache stores it in ``dtype``: ``x.to(dtype)`` (round to nearest
+    even), and for the fp8 caches (OFP8 E4M3 / E5M2, ``--kv-cache-dtype fp8`` /
+    ``fp8_e5m2``) saturated at the largest finite value, +-448 / +-57344, infinities
+    included (vLLM's saturating fp8 writes; NaN stays NaN). The torch twin of
+    ``csrc/fp8.h``'s ``store_row``; same shape."""
+    if dtype in FP8_DTYPES:
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)  # NaN passes through clamp
+    return x.to(dtype)
 
 
 def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, max_seqlen_k: int,

@@ -55,9 +55,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
                    help="memory for the KV cache in GiB (default: 1)")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "float16", "bfloat16"],
+                   choices=["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3",
+                            "fp8_e5m2"],
                    help="KV cache element type (default auto: --dtype's); float16 or "
-                        "bfloat16 under float32 halve the cache (llama.cpp's f16 cache)")
+                        "bfloat16 under float32 halve the cache (llama.cpp's f16 cache); "
+                        "fp8 (= fp8_e4m3) or fp8_e5m2 under float32 on a CPU quarter it "
+                        "(vLLM's fp8 cache: OFP8 E4M3/E5M2, unscaled, saturating)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
@@ -442,6 +445,11 @@ def _check_serve_args(args: argparse.Namespace):
         sys.exit(f"aioengine: error: --kv-cache-dtype {args.kv_cache_dtype} needs --dtype "
                  f"float32 (or --dtype {args.kv_cache_dtype}, or --kv-cache-dtype auto); "
                  f"got --dtype {args.dtype}")
+    if args.kv_cache_dtype.startswith("fp8") and (args.dtype != "float32"
+                                                  or args.device == "cuda"):
+        sys.exit(f"aioengine: error: --kv-cache-dtype {args.kv_cache_dtype} needs --dtype "
+                 f"float32 on a CPU (the fp8 cache has CPU kernels only; use --kv-cache-dtype "
+                 f"auto); got --dtype {args.dtype}, --device {args.device}")
     args.api_keys = None
     if args.api_keys_file:
         from aioengine.entrypoints.quotas import load_api_keys

@@ -34,6 +34,9 @@ from triton_kernels.quant import QuantizedWeight
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``--kv-cache-dtype`` values beyond ``DTYPES``: vLLM's fp8 caches (OFP8 E4M3 / E5M2).
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                       "fp8_e5m2": torch.float8_e5m2}
 #: CPU flags (``/proc/cpuinfo``) of units that compute bf16 natively.
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -90,16 +93,25 @@ def choose_kv_cache_dtype(requested: str, dtype: torch.dtype, device_type: str) 
     1e-4). ``float16``/``bfloat16`` under fp32 activations on a CPU halve the cache
     (``float16`` is llama.cpp's default f16 cache): the C++ decode kernels read it with
     F16C/AVX-512 conversions in registers, K/V are rounded to it when written.
+    ``fp8``/``fp8_e4m3`` (torch.float8_e4m3fn) and ``fp8_e5m2`` (torch.float8_e5m2),
+    the OCP 8-bit floating point (OFP8) formats, quarter it, as vLLM's
+    ``--kv-cache-dtype fp8``: unscaled (scale 1.0, no calibration), rounded to nearest
+    even and saturated when written (``csrc/fp8.h``), read exactly in registers.
 
     Raises:
         ValueError: a cache dtype other than ``dtype`` where it is not supported (only
-            fp16/bf16 caches under fp32 activations on a CPU are).
+            fp16/bf16/fp8 caches under fp32 activations on a CPU are; fp8 on CUDA is not
+            implemented); the message names the option.
     """
     if requested == "auto":
         return dtype
-    cache = DTYPES[requested]
-    if cache != dtype and not (device_type == "cpu" and dtype == torch.float32
-                               and cache in (torch.float16, torch.bfloat16)):
+    cache = FP8_KV_CACHE_DTYPES.get(requested) or DTYPES[requested]
+    if cache == dtype:
+        return cache
+    if device_type != "cpu":
+        raise ValueError(f"--kv-cache-dtype {requested} is supported on a CPU only (with "
+                         f"--dtype float32), not on {device_type}; use --kv-cache-dtype auto")
+    if dtype != torch.float32:
         raise ValueError(f"--kv-cache-dtype {requested} needs --dtype float32 on a CPU "
                          f"(or --kv-cache-dtype auto); got activations of {dtype}")
     return cache

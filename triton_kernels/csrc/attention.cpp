@@ -114,18 +114,32 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
   TORCH_CHECK(value_cache.scalar_type() == cache_type && out.scalar_type() == query.scalar_type() &&
                   (query.scalar_type() == cache_type ||
                    (query.scalar_type() == at::kFloat &&
-                    (cache_type == at::kHalf || cache_type == at::kBFloat16))),
-              "paged_attention_decode: the caches must have the query's dtype, or be fp16/bf16 "
-              "under an fp32 query");
-  if (query.scalar_type() == at::kFloat && cache_type == at::kHalf) {
-    decode_attention_impl<float, c10::Half>(out, query, key_cache, value_cache, block_tables,
-                                            seq_lens, scale, portable, window, softcap);
-    return;
-  }
-  if (query.scalar_type() == at::kFloat && cache_type == at::kBFloat16) {
-    decode_attention_impl<float, c10::BFloat16>(out, query, key_cache, value_cache, block_tables,
+                    (cache_type == at::kHalf || cache_type == at::kBFloat16 ||
+                     cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2))),
+              "paged_attention_decode: the caches must have the query's dtype, or be fp16/bf16/"
+              "fp8 (float8_e4m3fn, float8_e5m2) under an fp32 query");
+  if (query.scalar_type() == at::kFloat && cache_type != at::kFloat) {
+    switch (cache_type) {
+      case at::kHalf:
+        decode_attention_impl<float, c10::Half>(out, query, key_cache, value_cache, block_tables,
                                                 seq_lens, scale, portable, window, softcap);
-    return;
+        return;
+      case at::kBFloat16:
+        decode_attention_impl<float, c10::BFloat16>(out, query, key_cache, value_cache,
+                                                    block_tables, seq_lens, scale, portable,
+                                                    window, softcap);
+        return;
+      case at::kFloat8_e4m3fn:
+        decode_attention_impl<float, c10::Float8_e4m3fn>(out, query, key_cache, value_cache,
+                                                         block_tables, seq_lens, scale,
+                                                         portable, window, softcap);
+        return;
+      default:  // kFloat8_e5m2 (checked above)
+        decode_attention_impl<float, c10::Float8_e5m2>(out, query, key_cache, value_cache,
+                                                       block_tables, seq_lens, scale, portable,
+                                                       window, softcap);
+        return;
+    }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attn", [&] {
     decode_attention_impl<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -218,8 +232,19 @@ void paged_attention_prefill(at::Tensor out, at::Tensor query, at::Tensor key_ca
                                             seq_lens, query_start_loc, scale, window, softcap,
                                             portable);
       break;
+    case at::kFloat8_e4m3fn:
+      prefill_attention_impl<c10::Float8_e4m3fn>(out, query, key_cache, value_cache,
+                                                 block_tables, seq_lens, query_start_loc, scale,
+                                                 window, softcap, portable);
+      break;
+    case at::kFloat8_e5m2:
+      prefill_attention_impl<c10::Float8_e5m2>(out, query, key_cache, value_cache, block_tables,
+                                               seq_lens, query_start_loc, scale, window, softcap,
+                                               portable);
+      break;
     default:
-      TORCH_CHECK(false, "paged_attention_prefill: the cache must be fp32, fp16 or bf16");
+      TORCH_CHECK(false, "paged_attention_prefill: the cache must be fp32, fp16, bf16 or fp8 "
+                  "(float8_e4m3fn, float8_e5m2)");
   }
 }
 

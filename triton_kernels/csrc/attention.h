@@ -26,8 +26,8 @@ namespace aioengine {
 
 // One layer's decode attention, on raw pointers so both the tensor entry point and
 // the fused decoder below can call it. Strides are in elements; head_dim's is 1. The
-// cache's element type may be narrower than the query's (an fp16/bf16 KV cache under
-// fp32 activations, --kv-cache-dtype); scores and sums are fp32 either way.
+// cache's element type may be narrower than the query's (an fp16, bf16 or fp8 KV cache
+// under fp32 activations, --kv-cache-dtype; fp8.h); scores and sums are fp32 either way.
 template <typename scalar_t, typename cache_t = scalar_t>
 struct DecodeAttention {
   const scalar_t* q;
@@ -170,7 +170,7 @@ void decode_attention_portable(const DecodeAttention<scalar_t, cache_t>& a) {
 // The blocked AVX-512 kernel (fp32 queries, head_dim a multiple of 16). The portable
 // kernel spends most of its time on arithmetic, not on reading the cache: a horizontal
 // sum for every score and a load/store of the accumulator for every value row. Here
-// (attn512::run): 16 keys a chunk; each key row is loaded (fp16/bf16 widened) once for up
+// (attn512::run): 16 keys a chunk; each key row is loaded (fp16/bf16/fp8 widened) once for up
 // to 3 query heads of the group and 16 scores come out of one transpose-add tree; one
 // exp per head and chunk; the weighted sum in a register tile of heads x 64 dims; the
 // running max checked with one compare; tasks split over threads by keys (TaskSplit).
@@ -546,7 +546,7 @@ void decode_attention_run(const DecodeAttention<scalar_t, cache_t>& a, bool port
 // Read in place through the block table, as the decode kernel. Softmax and sums in fp32;
 // the products in fp32 (AVX-512 tiles, portable loops) or on AMX-BF16 tiles where the CPU
 // has them and the AMX switch is on (prefill_amx: bf16 operands, or fp32-grade hi + lo);
-// the query's dtype is fp32, the cache's fp32, fp16 or bf16.
+// the query's dtype is fp32, the cache's fp32, fp16, bf16 or fp8 (E4M3/E5M2, fp8.h).
 template <typename cache_t>
 struct PrefillAttention {
   const float* q;
@@ -760,7 +760,8 @@ void run_task(const PrefillAttention<cache_t>& a, const Task& task, std::vector<
 // Precision (set_bf16_attention): x3, the default: each operand split into bf16 hi + lo =
 // bf16(v - hi) and hi hi + lo hi + hi lo summed (Henry et al. 2019, as quant_amx.h), a
 // product within ~2^-16 of fp32, fp32-grade (an fp32 model's logprobs stay within 1e-4 of
-// HF's, tests/test_hf_parity.py); a bf16 cache's K and V are exact in bf16 and have no lo.
+// HF's, tests/test_hf_parity.py); a bf16 or fp8 cache's K and V are exact in bf16 and have
+// no lo.
 // Or plain bf16 (opt-in): Q, K, P and V rounded to 8 significant bits, 2^-8 relative each,
 // one product a tile, 1.3-1.5x faster; that moved a logprob of the fp32 model by 0.01. head_dim a multiple of 16 (80: the third 32-dim chunk
 // half zeros). Tiles: amx::tile_begin's configuration (8 tiles of 16 rows x 64 bytes);
@@ -772,30 +773,10 @@ constexpr int64_t kTileElems = 512;  // bf16 values in a 16 x 32 tile (1 KiB)
 // dst (16 rows of 64 bytes) = the transpose of src (16 rows of 64 bytes) in 32-bit lanes:
 // dst row j holds lane j of src rows 0 .. 15.
 inline void transpose_tile(const uint16_t* src, uint16_t* dst) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src) + 16 * i);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < 4; ++i) {
-      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
-      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
-    }
+  __m512 col[16];
+  simd::transpose16x16(reinterpret_cast<const float*>(src), col);
   float* out = reinterpret_cast<float*>(dst);
-  for (int i = 0; i < 8; ++i) {
-    _mm512_storeu_ps(out + 16 * i, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
-    _mm512_storeu_ps(out + 16 * (8 + i), _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
-  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + 16 * i, col[i]);
 }
 
 // bf16 of v0 (values 0-15) and v1 (16-31), rounded to nearest even; and, where lo is
@@ -825,6 +806,18 @@ inline __m512 load16n(const c10::BFloat16* p, int64_t n) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask16(n), p)), 16));
 }
+inline __m512 load16n(const c10::Float8_e4m3fn* p, int64_t n) {
+  return fp8::e4m3_to_ps(_mm_maskz_loadu_epi8(mask16(n), p));
+}
+inline __m512 load16n(const c10::Float8_e5m2* p, int64_t n) {
+  return fp8::e5m2_to_ps(_mm_maskz_loadu_epi8(mask16(n), p));
+}
+
+// Whether every value of cache_t is exact in bf16, so that its K/V tiles need no lo
+// half: bf16 itself, and fp8 (E4M3's 4 and E5M2's 3 significant bits, exponents within
+// fp32's range).
+template <typename cache_t>
+constexpr bool bf16_exact = std::is_same<cache_t, c10::BFloat16>::value || is_fp8<cache_t>;
 
 // 32 values of a cache row from p, the first n (zeros past n), as bf16 hi (+ lo where
 // asked and the cache is not bf16 already).
@@ -862,7 +855,7 @@ inline void pack_keys(const cache_t* const* rows, int64_t cnt, int64_t d, uint16
 // B tiles of V for 32 keys (rows[t], t < cnt; zeros past cnt), one per 16 dims nt of d:
 // tile nt's row j = keys 2j and 2j + 1's dims nt * 16 .. + 15, interleaved (AMX's pair
 // layout: the contraction runs over keys here); hi, and lo = bf16(v - hi) where lo is given
-// (not for a bf16 cache, whose values are exact in bf16).
+// (not for a bf16 or fp8 cache, whose values are exact in bf16: bf16_exact).
 template <typename cache_t>
 inline void pack_values(const cache_t* const* rows, int64_t cnt, int64_t d, uint16_t* hi,
                         uint16_t* lo) {
@@ -950,8 +943,8 @@ void run_task(const PrefillAttention<cache_t>& a, const prefill_attn::Task& task
   const int64_t key_begin = a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0;
   const int64_t key_end = pos0 + task.count;
   // x3: every operand as bf16 hi + lo, three products (hi hi + lo hi + hi lo) a tile;
-  // a bf16 cache's K and V are exact, so theirs have no lo.
-  const bool cache_lo = x3 && !std::is_same<cache_t, c10::BFloat16>::value;
+  // a bf16 or fp8 cache's K and V are exact in bf16, so theirs have no lo.
+  const bool cache_lo = x3 && !bf16_exact<cache_t>;
 
   // Q * scale as A tiles, row r = query token task.first + r / group, head h * group + r % group.
   w.q_hi.assign(row_tiles * kd, 0);
@@ -1177,7 +1170,7 @@ void prefill_attention_run(const PrefillAttention<cache_t>& a, bool portable = f
 
 // out = decode attention of query over the caches ([num_seqs, num_heads, head_dim];
 // caches [num_blocks, block_size, num_kv_heads, head_dim] of the query's dtype, or
-// fp16/bf16 under an fp32 query). Checks shapes, dtypes, seq_lens (0 .. max_blocks x
+// fp16/bf16/fp8 (E4M3, E5M2) under an fp32 query). Checks shapes, dtypes, seq_lens (0 .. max_blocks x
 // block_size; 0 gives zeros) and the block ids each sequence reads.
 // portable: run the portable kernel even where the blocked one applies (tests).
 // window: keys the query sees, its own included (0: all); softcap: Gemma 2's cap (0: none).
@@ -1188,7 +1181,7 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
 
 // out = paged attention of query chunks (PrefillAttention) for every sequence:
 // query/out [num_tokens, num_heads, head_dim] fp32; caches [num_blocks, block_size,
-// num_kv_heads, head_dim] fp32, fp16 or bf16; block_tables [num_seqs, max_blocks] int32;
+// num_kv_heads, head_dim] fp32, fp16, bf16 or fp8 (E4M3, E5M2); block_tables [num_seqs, max_blocks] int32;
 // seq_lens [num_seqs] int32; query_start_loc [num_seqs + 1] int32 (0 first, num_tokens
 // last, q_len in [1, seq_len]); window 0 for none, softcap 0 for none. Checks shapes,
 // dtypes, lengths and the block ids a sequence reads.

@@ -10,6 +10,8 @@
 // - paged_attention_prefill: query chunks of several tokens per sequence (chunked
 //   prefill) over the cached prefix and the chunk, causal, sliding window and soft-cap
 //   where given; flash-attention's online softmax over spans of keys (attention.h).
+// - reshape_and_cache: this step's fp32 K/V rows into their cache slots, rounded to the
+//   cache's dtype (fp8 E4M3/E5M2: to nearest even, saturating; cache_write.cpp, fp8.h).
 // - fused_add_rms_norm: residual += x; x = rms_norm(residual) * weight, in
 //   place (vLLM's fused_add_rms_norm; RMSNorm, Zhang & Sennrich 2019).
 // - silu_and_mul: out = silu(x[:, :d]) * x[:, d:] (SwiGLU, Shazeer 2020).
@@ -35,7 +37,7 @@
 //
 // One file per kernel: attention.{h,cpp}, norm_act.{h,cpp}, linear.{h,cpp},
 // decode_layers.{h,cpp}, quant_ops.{h,cpp}, quant_amx.{h,cpp}, sampling.{h,cpp},
-// copy_blocks.cpp; shared SIMD helpers in simd.h. Every .cpp of csrc/ is compiled (cpu_ops.py
+// copy_blocks.cpp, cache_write.cpp; shared SIMD helpers in simd.h, fp8 conversions in fp8.h. Every .cpp of csrc/ is compiled (cpu_ops.py
 // globs them).
 
 #include <torch/extension.h>
@@ -48,6 +50,10 @@
 #include "sampling.h"
 
 void copy_blocks(at::Tensor kv_cache, const at::Tensor& block_mapping);  // copy_blocks.cpp
+namespace aioengine {
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+                       at::Tensor value_cache, const at::Tensor& slot_mapping);  // cache_write.cpp
+}  // namespace aioengine
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel releases the GIL, as torch's own ops do: an in-process engine runs steps
@@ -69,6 +75,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_attention", &aioengine::bf16_attention);
   m.def("fused_add_rms_norm", &aioengine::fused_add_rms_norm, release());
   m.def("silu_and_mul", &aioengine::silu_and_mul, release());
+  m.def("reshape_and_cache", &aioengine::reshape_and_cache, pybind11::arg("key"),
+        pybind11::arg("value"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("slot_mapping"), release(),
+        "fp32 K/V rows into their cache slots, rounded to the cache's dtype (fp8: to nearest "
+        "even, saturating); -1 skips a token.");
   m.def("copy_blocks", &copy_blocks, pybind11::arg("kv_cache"), pybind11::arg("block_mapping"),
         release());
   m.def("linear", &aioengine::linear, pybind11::arg("x"), pybind11::arg("weight"),

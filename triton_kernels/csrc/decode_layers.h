@@ -105,9 +105,11 @@ class LlamaDecodeLayers {
                     kv_cache.size(4) == num_kv_heads_ && kv_cache.size(5) == head_dim_ &&
                     kv_cache.stride(5) == 1 &&
                     (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf ||
-                     kv_cache.scalar_type() == at::kBFloat16),
+                     kv_cache.scalar_type() == at::kBFloat16 ||
+                     kv_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                     kv_cache.scalar_type() == at::kFloat8_e5m2),
                 "forward: kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, "
-                "head_dim] fp32, fp16 or bf16");
+                "head_dim] fp32, fp16, bf16 or fp8 (float8_e4m3fn, float8_e5m2)");
     const int64_t S = seq_lens.numel();
     at::Tensor qsl = query_start_loc.has_value() && query_start_loc->defined()
                          ? *query_start_loc : at::Tensor();
@@ -127,6 +129,12 @@ class LlamaDecodeLayers {
       case at::kBFloat16:
         return run<c10::BFloat16>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens,
                                   qsl, scale);
+      case at::kFloat8_e4m3fn:
+        return run<c10::Float8_e4m3fn>(residual, cos, sin, kv_cache, slots, block_tables,
+                                       seq_lens, qsl, scale);
+      case at::kFloat8_e5m2:
+        return run<c10::Float8_e5m2>(residual, cos, sin, kv_cache, slots, block_tables,
+                                     seq_lens, qsl, scale);
       default:
         return run<float>(residual, cos, sin, kv_cache, slots, block_tables, seq_lens, qsl,
                           scale);
@@ -145,7 +153,8 @@ class LlamaDecodeLayers {
   }
 
  private:
-  // forward() for a cache of element type cache_t (K/V are rounded to it when written).
+  // forward() for a cache of element type cache_t (K/V are rounded to it when written, fp8
+  // also saturated: store_row, fp8.h).
   template <typename cache_t>
   at::Tensor run(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache,
                  at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
@@ -263,8 +272,8 @@ class LlamaDecodeLayers {
         const int64_t off = (slot[t] / block_size) * a.kb + (slot[t] % block_size) * a.kt;
         for (int64_t h = 0; h < num_kv_heads_; ++h) {
           const float* k = qkv_ptr + t * qkv_n + q_size + h * head_dim_;
-          std::copy(k, k + head_dim_, key_cache + off + h * a.kh);
-          std::copy(k + kv_size, k + kv_size + head_dim_, value_cache + off + h * a.kh);
+          store_row(k, key_cache + off + h * a.kh, head_dim_);
+          store_row(k + kv_size, value_cache + off + h * a.kh, head_dim_);
         }
       }
       a.k = p.k = key_cache;

@@ -54,33 +54,6 @@ inline void split32(const float* src, int64_t n, uint16_t* hi, uint16_t* lo) {
   simd::bf16_split(_mm512_maskz_loadu_ps(m0, src), _mm512_maskz_loadu_ps(m1, src + 16), hi, lo);
 }
 
-// In-register 16 x 16 transpose of src (rows 64 bytes apart): dst[j] gets column j.
-inline void transpose16(const float* src, __m512* dst) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(src + 16 * i);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < 4; ++i) {
-      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
-      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    dst[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-    dst[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-  }
-}
-
 }  // namespace
 
 bool available() {
@@ -266,7 +239,7 @@ void gemm_tile(uint16_t* a_hi, uint16_t* a_lo, int64_t rows, const PackedActivat
       for (int64_t t = 0; t < (two ? 2 : 1); ++t) {
         const int64_t m0 = (mt + t) * kTile, mm = std::min(kTile, x.rows - m0);
         __m512 col[kTile];
-        transpose16(c[a][t][0], col);
+        simd::transpose16x16(c[a][t][0], col);
         for (int64_t m = 0; m < mm; ++m)
           _mm512_mask_storeu_ps(y + (m0 + m) * ldy + r0, keep, _mm512_add_ps(col[m], b));
       }

@@ -1,5 +1,5 @@
 // SIMD helpers shared by the CPU kernels: libmvec's vector expf, fp32 dot products and
-// axpy over fp32/fp16/bf16 rows (the KV cache's element types), and the register-blocked
+// axpy over fp32/fp16/bf16/fp8 rows (the KV cache's element types), and the register-blocked
 // fp32 micro-tile that both the skinny linear (linear.cpp) and the quantized GEMM's
 // tile buffer (quant_ops.cpp) run.
 
@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <cstdint>
+
+#include "fp8.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -82,7 +84,8 @@ inline void axpy<float>(float* y, float alpha, const float* x, int64_t n) {
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// 16 fp32, fp16 or bf16 values (a KV cache of --kv-cache-dtype float16/bfloat16) as fp32.
+// 16 fp32, fp16, bf16 or fp8 values (a KV cache of --kv-cache-dtype float16/bfloat16/fp8)
+// as fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -91,7 +94,16 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  return fp8::e4m3_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 load16(const c10::Float8_e5m2* p) {
+  return fp8::e5m2_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
+// The portable kernels' fp16/bf16 rows (below); their fp8 rows keep the generic loops,
+// c10's scalar conversion, which is what a CPU without AVX-512 runs (portable = true
+// tests it here).
 template <typename T>
 inline float dot_half(const float* a, const T* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
@@ -132,6 +144,37 @@ inline void axpy<c10::BFloat16>(float* y, float alpha, const c10::BFloat16* x, i
 // quantized GEMM's dequantized tile buffer (quant_ops.cpp, which also runs the AVX2 one on
 // an AVX-512 build when a test asks for that path).
 namespace simd {
+#if defined(__AVX512F__)
+// In-register 16 x 16 transpose of 32-bit lanes: src's 16 rows of 16 (64 bytes apart),
+// dst[j] = column j. The AMX kernels' layout step: the GEMM's C tiles back to rows of y
+// (quant_amx.cpp) and K^T's B tiles of the prefill attention (attention.h).
+inline void transpose16x16(const float* src, __m512* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + 16 * i);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    dst[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    dst[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // 32 fp32 values (v0: 0-15, v1: 16-31) as bf16 hi = bf16(v), rounded to nearest even, and,
 // where lo is given, lo = bf16(v - hi) (v - hi is exact in fp32). For the AMX GEMM
