@@ -377,9 +377,9 @@ class Scheduler:
                 num_new = min(num_new, step.prefill_budget)
             if num_new <= 0:
                 continue
-            new_blocks = (
-                self._allocate_with_drafts(request, num_new, step) if self.spec is not None else None
-            )
+            new_blocks = None
+            if self.spec is not None:
+                new_blocks = self._allocate_with_drafts(request, num_new, step)
             if new_blocks is not None:
                 num_new += len(step.spec_tokens.get(rid, ()))
             else:
