@@ -163,6 +163,12 @@ class KVCacheManager:
                     if self.enable_caching:
                         self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
                     return []
+        return self._allocate(request, num_new_tokens, new_computed_blocks)
+
+    def _allocate(self, request: Request, num_new_tokens: int,
+                  new_computed_blocks: list[KVCacheBlock] | None = None
+                  ) -> list[KVCacheBlock] | None:
+        """``allocate_slots`` in full: prefix-cache hits, new blocks, copy-on-write."""
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
