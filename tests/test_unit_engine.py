@@ -363,3 +363,61 @@ def test_llm_generate_and_chat_on_the_stand_in():
     assert llm.stats().num_requests_finished == 4
     llm.shutdown()
     assert not llm.executor.is_alive()
+
+
+def _record_run(monkeypatch: pytest.MonkeyPatch, full_path: bool) -> tuple[list[bytes], dict]:
+    """One workload on a small cache, every step's ``SchedulerOutput`` as sent (its
+    bytes) and each request's final tokens. ``full_path``: the decode step's
+    shortcuts turned off (the prefill cap worked out up front, every allocation
+    through ``KVCacheManager._allocate``), as the scheduler ran before them."""
+    from aioengine.core import scheduler as scheduler_module
+    from aioengine.core.kv_cache_manager import KVCacheManager
+    from aioengine.ipc.messages import encode
+
+    with monkeypatch.context() as m:
+        if full_path:
+            m.setattr(
+                scheduler_module._StepBuilder,
+                "__post_init__",
+                lambda step: step.settle_prefill_budget(),
+                raising=False,
+            )
+            m.setattr(KVCacheManager, "allocate_slots", KVCacheManager._allocate)
+        engine = make_engine(
+            num_blocks=18, max_num_seqs=6, max_num_batched_tokens=32, chunked_prefill_itl_ratio=1.5
+        )
+        stop_at = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+        for i in range(4):
+            engine.add_request(f"r{i}", prompt(i, 18), stop_at)
+        engine.add_request("pair", prompt(7, 9), SamplingParams(temperature=0, max_tokens=10, n=2))
+        final: dict[str, list[int]] = {}
+        for step in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            if step == 6:
+                engine.abort_request("r1")  # mid-decode: its blocks go, the worker is told
+            if step == 9:  # a long prompt arrives while the others decode (chunked, capped)
+                engine.add_request("late", prompt(11, 40), stop_at)
+            for out in engine.step().request_outputs:
+                for c in out.outputs:
+                    final.setdefault(f"{out.request_id}/{c.index}", []).extend(c.delta_token_ids)
+        assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.num_cow_copies > 0  # the workload's point
+        return [encode(so) for so in engine.core.executor.steps], final
+
+
+def test_the_decode_step_shortcuts_send_what_the_full_path_sends(monkeypatch):
+    """Issue 16's shortcuts between a step's output and the next step (the prefill
+    cap only when a prompt chunk needs it, allocations that fit in a request's own
+    blocks answered at once) change no step: across preemptions on a small cache,
+    an abort, a request that arrives while others decode, an ``n = 2`` fork (its
+    copy-on-write) and requests ending on ``max_tokens``, every ``SchedulerOutput``
+    and every token equal those of the full path."""
+    steps, final = _record_run(monkeypatch, full_path=False)
+    full_steps, full_final = _record_run(monkeypatch, full_path=True)
+    assert final == full_final
+    assert len(steps) == len(full_steps)
+    for k, (ours, full) in enumerate(zip(steps, full_steps)):
+        assert ours == full, f"step {k} differs"
+    assert len(final["late/0"]) == 14 and "r1/0" in final

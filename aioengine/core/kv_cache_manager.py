@@ -145,6 +145,30 @@ class KVCacheManager:
             The newly allocated blocks (possibly empty), or None when the free
             blocks do not suffice; then nothing at all has changed.
         """
+        block_size = self.block_size
+        if not new_computed_blocks:
+            req_blocks = self.req_to_blocks.get(request.request_id)
+            if req_blocks is not None and num_new_tokens > 0:
+                num_computed = request.num_computed_tokens
+                num_required = -(-(num_computed + num_new_tokens) // block_size)
+                first = num_computed // block_size
+                if num_required <= len(req_blocks) and (
+                    req_blocks[first].ref_cnt == 1
+                    if num_required == first + 1
+                    else all(b.ref_cnt == 1 for b in req_blocks[first:num_required])
+                ):
+                    # The common decode step: the tokens fit in blocks the request
+                    # alone holds (nothing to allocate or copy; a block referenced
+                    # once has no pending copy holding it either).
+                    if self.enable_caching:
+                        self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+                    return []
+        return self._allocate(request, num_new_tokens, new_computed_blocks)
+
+    def _allocate(self, request: Request, num_new_tokens: int,
+                  new_computed_blocks: list[KVCacheBlock] | None = None
+                  ) -> list[KVCacheBlock] | None:
+        """``allocate_slots`` in full: prefix-cache hits, new blocks, copy-on-write."""
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -247,7 +271,7 @@ class KVCacheManager:
                            num_tokens: int) -> None:
         # Draft tokens (speculative decoding) are not the request's tokens yet:
         # only blocks full of its own tokens get a hash.
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

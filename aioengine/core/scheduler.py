@@ -57,7 +57,10 @@ class _StepBuilder:
         token_budget: tokens left of ``max_num_batched_tokens``.
         prefill_budget: tokens left for prompt chunks (new prompts, unfinished
             ones, recomputation after a preemption); below ``token_budget``
-            while requests decode (``Scheduler.prefill_token_cap``).
+            while requests decode (``Scheduler.prefill_token_cap``). Worked out
+            from ``prefill_cap`` on first use: a decode-only step never needs it,
+            and the cap's step-time fit is the costliest part of ``schedule()``
+            (issue 16: it sits between a step's output and the next step).
         prefill_req_ids: the requests scheduled for a prompt chunk.
         num_scheduled_tokens: new tokens per scheduled request id.
         new_block_ids: blocks allocated this step, per running request id.
@@ -68,7 +71,8 @@ class _StepBuilder:
     """
 
     token_budget: int
-    prefill_budget: int
+    prefill_cap: Callable[[], int]
+    _prefill_budget: int | None = None
     prefill_req_ids: set[str] = field(default_factory=set)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -76,6 +80,21 @@ class _StepBuilder:
     scheduled_running: list[Request] = field(default_factory=list)
     scheduled_new: list[Request] = field(default_factory=list)
     scheduled_resumed: list[Request] = field(default_factory=list)
+
+    @property
+    def prefill_budget(self) -> int:
+        if self._prefill_budget is None:
+            self._prefill_budget = self.prefill_cap()
+        return self._prefill_budget
+
+    def settle_prefill_budget(self) -> None:
+        """Work the budget out now if it is not yet (before its inputs change)."""
+        if self._prefill_budget is None:
+            self._prefill_budget = self.prefill_cap()
+
+    @prefill_budget.setter
+    def prefill_budget(self, value: int) -> None:
+        self._prefill_budget = value
 
 
 @dataclass
@@ -263,7 +282,7 @@ class Scheduler:
         """Pick this step's requests and token counts, allocating their blocks:
         running requests first, then waiting ones, then the message."""
         budget = self.config.max_num_batched_tokens
-        step = _StepBuilder(budget, min(budget, self.prefill_token_cap()))
+        step = _StepBuilder(budget, lambda: min(budget, self.prefill_token_cap()))
         self._schedule_running(step)
         self._schedule_waiting(step)
         return self._make_output(step)
@@ -308,6 +327,13 @@ class Scheduler:
         """Feed the step's shape and the worker's time to ``step_cost``: a request
         given one token (plus drafts) is a decode row, longer ones prompt chunks."""
         drafts = output.scheduled_spec_decode_tokens
+        num_reqs = output.num_reqs
+        if not drafts and output.total_num_scheduled_tokens == num_reqs:
+            # Decode-only (every request scheduled for one token): no prefill, no context.
+            self.step_cost.observe(
+                num_reqs, 0, runner_output.forward_time + runner_output.sample_time, 0
+            )
+            return
         computed = [r.num_computed_tokens for r in output.scheduled_new_reqs] + [
             r.num_computed_tokens for r in output.scheduled_cached_reqs
         ]
@@ -332,25 +358,32 @@ class Scheduler:
         """A decode token for each running request, or its next prompt chunk.
         When blocks run out, requests are preempted (``_pick_victim``) until the
         allocation fits; if the victim is the request itself, it waits."""
+        placeholders = self._placeholders
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        running = RequestStatus.RUNNING
         for request in list(self.running):
             if step.token_budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running:
                 continue  # preempted for an earlier request in this loop
-            if self._ends_in_flight(request):
+            rid = request.request_id
+            ahead = placeholders.get(rid, 0) if placeholders else 0
+            if ahead and self._ends_in_flight(request):
                 continue
-            num_left = self._num_tokens_ahead(request) - request.num_computed_tokens
+            num_left = len(request.all_token_ids) + ahead - request.num_computed_tokens
             is_prefill = num_left > 1  # a prompt chunk; a decode has one token left
             num_new = min(num_left, step.token_budget)
             if is_prefill:
                 num_new = min(num_new, step.prefill_budget)
             if num_new <= 0:
                 continue
-            new_blocks = self._allocate_with_drafts(request, num_new, step)
+            new_blocks = None
+            if self.spec is not None:
+                new_blocks = self._allocate_with_drafts(request, num_new, step)
             if new_blocks is not None:
-                num_new += len(step.spec_tokens.get(request.request_id, ()))
+                num_new += len(step.spec_tokens.get(rid, ()))
             else:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if victim is None:
@@ -362,12 +395,12 @@ class Scheduler:
             if new_blocks is None:
                 continue
             step.scheduled_running.append(request)
-            step.num_scheduled_tokens[request.request_id] = num_new
-            step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            step.num_scheduled_tokens[rid] = num_new
+            step.new_block_ids[rid] = [b.block_id for b in new_blocks]
             step.token_budget -= num_new
             if is_prefill:
                 step.prefill_budget -= num_new
-                step.prefill_req_ids.add(request.request_id)
+                step.prefill_req_ids.add(rid)
 
     def _allocate_with_drafts(
         self, request: Request, num_new: int, step: _StepBuilder
@@ -493,6 +526,10 @@ class Scheduler:
         """Free a running request's blocks and requeue it; it is recomputed
         later (Kwon et al. 2023, §4.5). If ``step`` had already scheduled it,
         its tokens go back to the budget."""
+        if step is not None:
+            # The cap is of the step as it stood before any preemption (the
+            # running requests and the queue it reads are about to change).
+            step.settle_prefill_budget()
         self.running.remove(victim)
         self.kv_cache_manager.free(victim, num_valid_tokens=victim.num_computed_tokens)
         victim.status = RequestStatus.PREEMPTED
@@ -715,14 +752,18 @@ class Scheduler:
         results: list[tuple[Request, int | None, list[tuple[int, float]] | None]] = []
         logprobs = runner_output.logprobs
         drafts_of = output.scheduled_spec_decode_tokens
+        spec_token_ids = runner_output.spec_token_ids
+        sampled = runner_output.sampled_token_ids
+        stats = self.stats
+        running = RequestStatus.RUNNING
         for k, (request, num_new) in enumerate(
             zip(self._scheduled_order, output.num_scheduled_tokens)
         ):
-            if request.is_finished or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            if runner_output.spec_token_ids is not None:
-                request.spec_token_ids = runner_output.spec_token_ids[k]
-            drafts = drafts_of.get(request.request_id)
+            if request.status != running:
+                continue  # finished (aborted) or preempted while the step ran
+            if spec_token_ids is not None:
+                request.spec_token_ids = spec_token_ids[k]
+            drafts = drafts_of.get(request.request_id) if drafts_of else None
             if drafts:
                 assert runner_output.num_accepted_tokens is not None  # a step with drafts
                 results.extend(
@@ -736,15 +777,15 @@ class Scheduler:
                 )
                 continue
             before = request.num_computed_tokens
-            request.num_computed_tokens += num_new
-            self.stats.num_prompt_tokens += max(
-                0, min(request.num_computed_tokens, request.num_prompt_tokens) - before
-            )
-            token = runner_output.sampled_token_ids[k]
-            if token < 0 or request.num_computed_tokens < request.num_tokens:
+            request.num_computed_tokens = computed = before + num_new
+            num_prompt_tokens = len(request.prompt_token_ids)
+            if before < num_prompt_tokens:
+                stats.num_prompt_tokens += min(computed, num_prompt_tokens) - before
+            token = sampled[k]
+            if token < 0 or computed < len(request.all_token_ids):
                 results.append((request, None, None))
                 continue
-            self.stats.num_generation_tokens += 1
+            stats.num_generation_tokens += 1
             request.append_output_token_ids([token])
             self._check_stop(request, token)
             results.append((request, token, logprobs[k] if logprobs else None))
@@ -773,15 +814,16 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.sampling_params
         status = None
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == request.eos_token_id:
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
         if status is None and (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
+            num_output_tokens >= request.max_tokens
+            or len(request.all_token_ids) >= self.max_model_len
         ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

@@ -497,22 +497,25 @@ class EngineCore:
             )
         outputs: dict[str, EngineCoreOutput] = {}
         beam_groups: dict[str, BeamSearchGroup] = {}
+        beam_of = self._beam_of
         for request, token, logprobs in self.scheduler.update_from_output(
             scheduler_output, runner_output, launched
         ):
-            group = self._beam_of.get(request.request_id)
+            group = beam_of.get(request.request_id) if beam_of else None
             if group is not None:
                 if token is not None:
                     group.accept(request, logprobs, self.block_size)
                     beam_groups[group.request_id] = group
                 continue
-            output = outputs.setdefault(
-                request.request_id, EngineCoreOutput(request.request_id, [])
-            )
+            output = outputs.get(request.request_id)
+            if output is None:  # the request's first token this step (drafts give several)
+                output = outputs[request.request_id] = EngineCoreOutput(request.request_id, [])
             output.num_cached_tokens = request.num_cached_tokens
             if token is None:
                 continue
-            if not self._accept_structured(request, token):
+            if request.structured_output_request is not None and not self._accept_structured(
+                request, token
+            ):
                 # Not emitted: the request ends before the token its grammar forbids.
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
