@@ -87,14 +87,14 @@ class _StepBuilder:
             self._prefill_budget = self.prefill_cap()
         return self._prefill_budget
 
+    @prefill_budget.setter
+    def prefill_budget(self, value: int) -> None:
+        self._prefill_budget = value
+
     def settle_prefill_budget(self) -> None:
         """Work the budget out now if it is not yet (before its inputs change)."""
         if self._prefill_budget is None:
             self._prefill_budget = self.prefill_cap()
-
-    @prefill_budget.setter
-    def prefill_budget(self, value: int) -> None:
-        self._prefill_budget = value
 
 
 @dataclass
