@@ -194,6 +194,23 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def amx_attention():
+    """The C++ kernels' AMX switch on for the test (the suite runs with ``AIOENGINE_AMX=0``),
+    the attention's bf16 setting and the switch restored after; skips where the CPU has no
+    AMX-BF16 (or the OS refused its tile state). Yields the loaded kernels module."""
+    from triton_kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops.quant_isa() != 3:
+        pytest.skip("no AMX-BF16 on this CPU (or the OS refused its tile state)")
+    before = ops.bf16_attention()
+    cpu_ops.set_amx(True)
+    yield ops
+    ops.set_bf16_attention(before)
+    cpu_ops.set_amx(cpu_ops.amx_requested())
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's tokenizer saved as HF files, for random-weight test models."""

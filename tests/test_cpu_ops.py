@@ -211,20 +211,6 @@ AMX_PREFILL_CHUNKS = [(5, 5), (16, 53), (1, 90), (40, 40), (33, 333), (17, 33), 
                       (40, 640), (9, 265), (23, 23)]
 
 
-@pytest.fixture
-def amx_attention():
-    """The AMX switch on for the test (the suite runs with it off), settings restored after;
-    skips where the CPU has no AMX-BF16."""
-    ops = cpu_ops.load()
-    if ops.quant_isa() != 3:
-        pytest.skip("no AMX-BF16 on this CPU (or the OS refused its tile state)")
-    before = ops.bf16_attention()
-    cpu_ops.set_amx(True)
-    yield ops
-    ops.set_bf16_attention(before)
-    cpu_ops.set_amx(cpu_ops.amx_requested())
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (16, 2)])

@@ -201,20 +201,6 @@ def test_decode_kernels_equal_the_fp64_oracle(lens, num_heads, num_kv_heads, hea
         torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def amx_attention():
-    """The AMX switch on for the test (the suite runs with ``AIOENGINE_AMX=0``), restored
-    after; skips where the CPU has no AMX-BF16."""
-    ops = cpu_ops.load()
-    if ops.quant_isa() != 3:
-        pytest.skip("no AMX-BF16 on this CPU (or the OS refused its tile state)")
-    before = ops.bf16_attention()
-    cpu_ops.set_amx(True)
-    yield ops
-    ops.set_bf16_attention(before)
-    cpu_ops.set_amx(cpu_ops.amx_requested())
-
-
 # (q_len, seq_len): whole prompts, chunks after unaligned and aligned prefixes, several
 # 256-key spans, and decode rows among them (a mixed step's rows).
 PREFILL_CHUNKS = [(5, 5), (16, 53), (1, 90), (40, 40), (33, 333), (17, 33), (1, 1)]
