@@ -200,6 +200,21 @@ def test_the_default_model_passes_and_its_header_is_read_right():
     assert 0 <= size - header.data_end < 64  # the last tensor ends at the file's end
     # 30 layers x K and V x 16 tokens x 3 heads x 64 x 4 bytes, as ModelRunner sizes it.
     assert shape.kv_bytes_per_block(16, "float32") == 737280
+    # A narrower cache holds more blocks in the same memory, as the worker counts them.
+    assert shape.kv_bytes_per_block(16, "float32", kv_cache_dtype="float16") == 737280 // 2
+    assert shape.kv_bytes_per_block(16, "float32", kv_cache_dtype="fp8_e5m2") == 737280 // 4
+
+
+def test_preflight_sizes_the_cache_by_kv_cache_dtype():
+    """Room for 3 fp8 blocks is fewer than 2 fp32 blocks: the start is refused with
+    the activations' cache and allowed with ``--kv-cache-dtype fp8``."""
+    from aioengine.config import CacheConfig, EngineConfig
+
+    room = 3 * 737280 // 4
+    with pytest.raises(preflight.StartupError, match="holds 0 KV block"):
+        preflight.check_model(EngineConfig(cache=CacheConfig(kv_cache_memory_bytes=room)))
+    preflight.check_model(EngineConfig(cache=CacheConfig(kv_cache_memory_bytes=room,
+                                                         kv_cache_dtype="fp8")))
 
 
 def test_one_line_of_a_worker_traceback():

@@ -45,7 +45,8 @@ _GGUF_MAGIC = b"GGUF"
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
             11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}  # auto: at most fp32
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4,  # auto: at most fp32
+                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 class StartupError(Exception):
@@ -61,10 +62,13 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
 
-    def kv_bytes_per_block(self, block_size: int, dtype: str, tp: int = 1) -> int:
-        """Bytes of one KV block on one rank (K and V of every layer), as the worker sizes it."""
+    def kv_bytes_per_block(self, block_size: int, dtype: str, tp: int = 1,
+                           kv_cache_dtype: str = "auto") -> int:
+        """Bytes of one KV block on one rank (K and V of every layer), as the worker sizes
+        it: elements of ``kv_cache_dtype``, or of the activations' ``dtype`` under ``auto``."""
+        element = _DTYPE_BYTES[dtype if kv_cache_dtype == "auto" else kv_cache_dtype]
         return (self.num_layers * 2 * block_size * max(1, self.num_kv_heads // tp)
-                * self.head_dim * _DTYPE_BYTES[dtype])
+                * self.head_dim * element)
 
 
 @dataclass
@@ -282,7 +286,8 @@ def check_model(config: Any) -> ModelShape:
         raise StartupError(f"model {model_path} lacks its layer or attention-head counts")
     cache = config.cache
     per_block = shape.kv_bytes_per_block(cache.block_size, config.model.dtype,
-                                         config.parallel.tensor_parallel_size)
+                                         config.parallel.tensor_parallel_size,
+                                         cache.kv_cache_dtype)
     if cache.num_gpu_blocks_override is not None:
         kv_bytes, flag = cache.num_gpu_blocks_override * per_block, "--num-gpu-blocks-override"
     else:
