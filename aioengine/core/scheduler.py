@@ -93,8 +93,7 @@ class _StepBuilder:
 
     def settle_prefill_budget(self) -> None:
         """Work the budget out now if it is not yet (before its inputs change)."""
-        if self._prefill_budget is None:
-            self._prefill_budget = self.prefill_cap()
+        self.prefill_budget  # noqa: B018 (the getter settles it)
 
 
 @dataclass
