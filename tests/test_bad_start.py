@@ -224,3 +224,28 @@ def test_one_line_of_a_worker_traceback():
                          "ValueError: kv_cache_memory_bytes=10 holds 0 blocks\n\n")
     assert one_line(error) == "ValueError: kv_cache_memory_bytes=10 holds 0 blocks"
     assert one_line(RuntimeError("")) == "RuntimeError"
+
+
+GENERATE_KV_CACHE_CASES = [
+    ("fp8-under-bf16", ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8"],
+     "--kv-cache-dtype fp8 needs --dtype float32 on a CPU"),
+    ("fp8-e5m2-under-fp16", ["--dtype", "float16", "--kv-cache-dtype", "fp8_e5m2"],
+     "--kv-cache-dtype fp8_e5m2 needs --dtype float32 on a CPU"),
+    ("bf16-under-fp16", ["--dtype", "float16", "--kv-cache-dtype", "bfloat16"],
+     "needs --dtype float32"),
+]
+
+
+@pytest.mark.parametrize("flags,fragment",
+                         [pytest.param(f, x, id=i) for i, f, x in GENERATE_KV_CACHE_CASES])
+def test_generate_refuses_a_kv_cache_dtype_in_one_line(flags, fragment):
+    """``aioengine generate`` shares ``serve``'s engine flags: a ``--kv-cache-dtype`` the
+    worker refuses ends in one line, before the model loads, not in the worker's
+    ValueError traceback after it (as it did before ``_check_kv_cache_dtype``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "aioengine.entrypoints.cli", "generate", "hi",
+                           "--max-tokens", "1", *flags],
+                          capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60)
+    assert_one_line_error(proc, time.perf_counter() - t0, fragment)

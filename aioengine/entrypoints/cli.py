@@ -413,6 +413,22 @@ def _run_worker_node(config: EngineConfig) -> int:
     return run_worker_node(config)
 
 
+def _check_kv_cache_dtype(args: argparse.Namespace) -> None:
+    """Exit with one line for a ``--kv-cache-dtype`` the worker would refuse
+    (``model_runner.choose_kv_cache_dtype``), which it finds only after the model
+    has loaded, with a traceback; ``serve`` and ``generate`` both check it first."""
+    if (args.kv_cache_dtype in ("float16", "bfloat16") and args.dtype != args.kv_cache_dtype
+            and args.dtype != "float32"):
+        sys.exit(f"aioengine: error: --kv-cache-dtype {args.kv_cache_dtype} needs --dtype "
+                 f"float32 (or --dtype {args.kv_cache_dtype}, or --kv-cache-dtype auto); "
+                 f"got --dtype {args.dtype}")
+    if args.kv_cache_dtype.startswith("fp8") and (args.dtype != "float32"
+                                                  or args.device == "cuda"):
+        sys.exit(f"aioengine: error: --kv-cache-dtype {args.kv_cache_dtype} needs --dtype "
+                 f"float32 on a CPU (the fp8 cache has CPU kernels only; use --kv-cache-dtype "
+                 f"auto); got --dtype {args.dtype}, --device {args.device}")
+
+
 def _check_serve_args(args: argparse.Namespace):
     """Check the server flags and bind the listening socket (before the model loads).
 
@@ -439,17 +455,7 @@ def _check_serve_args(args: argparse.Namespace):
         if not ok:
             sys.exit(f"aioengine: error: {flag} {value:g} is out of range "
                      f"(see aioengine serve --help)")
-    if (args.kv_cache_dtype in ("float16", "bfloat16") and args.dtype != args.kv_cache_dtype
-            and args.dtype != "float32"):
-        # the worker refuses this too, but only after the model has loaded
-        sys.exit(f"aioengine: error: --kv-cache-dtype {args.kv_cache_dtype} needs --dtype "
-                 f"float32 (or --dtype {args.kv_cache_dtype}, or --kv-cache-dtype auto); "
-                 f"got --dtype {args.dtype}")
-    if args.kv_cache_dtype.startswith("fp8") and (args.dtype != "float32"
-                                                  or args.device == "cuda"):
-        sys.exit(f"aioengine: error: --kv-cache-dtype {args.kv_cache_dtype} needs --dtype "
-                 f"float32 on a CPU (the fp8 cache has CPU kernels only; use --kv-cache-dtype "
-                 f"auto); got --dtype {args.dtype}, --device {args.device}")
+    _check_kv_cache_dtype(args)
     args.api_keys = None
     if args.api_keys_file:
         from aioengine.entrypoints.quotas import load_api_keys
@@ -514,6 +520,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> None:
+    _check_kv_cache_dtype(args)
     from aioengine import LLM, SamplingParams
     from aioengine.sampling_params import SamplingParamError
 
