@@ -438,3 +438,65 @@ def test_a_step_time_that_is_not_a_positive_number_is_ignored(bad):
     model.observe(4, 50, bad)
     assert model.coefficients() == clean.coefficients()
     assert model.max_prefill_tokens(4, 1.5) == clean.max_prefill_tokens(4, 1.5) > 0
+
+
+def test_a_machine_that_slows_down_keeps_its_chunks_once_the_reference_is_remeasured():
+    """Regression (bench/scheduler.py beside other work on the 2 cores): with prompts
+    queued, every step carried a chunk, so the decode-only reference was never measured
+    again after the machine got 4x slower; the cap compared 4x-longer chunks with the old
+    decode step and sat on its floor (one block) for the rest of the run. Every
+    ``REFERENCE_REFRESH_STEPS`` mixed steps a decode-only step re-measures it: on a
+    machine uniformly 3x slower the ratio allows as many tokens as before."""
+    from aioengine.core.scheduler import REFERENCE_REFRESH_STEPS
+
+    slow_from = 400
+    h = TimedHarness(time_scale={i: 3.0 for i in range(slow_from, 20_000)})
+    h.decode_streams(32, 2000)
+    prompts: list[Request] = []
+    while len(h.steps) < slow_from + 600:
+        if not prompts or prompts[-1].num_output_tokens:  # one prompt arriving at a time
+            prompts.append(h.add(f"p{len(prompts)}", 600, 1))
+        h.step()
+
+    def chunk(i: int) -> int:
+        return sum(n for rid, (n, d) in h.steps[i].items() if rid.startswith("p") and not d)
+
+    before = sorted(chunk(i) for i in range(slow_from - 200, slow_from) if chunk(i))
+    after = sorted(chunk(i) for i in range(slow_from + 300, slow_from + 600) if chunk(i))
+    median_before, median_after = before[len(before) // 2], after[len(after) // 2]
+    assert median_before > 2 * BS, "the cap is above its floor on the steady machine"
+    assert median_after >= 0.8 * median_before, (median_before, median_after)
+    # ... and the refresh costs at most one step in REFERENCE_REFRESH_STEPS + 1.
+    decode_only = sum(1 for i in range(slow_from, slow_from + 600) if not chunk(i))
+    assert decode_only <= 600 // REFERENCE_REFRESH_STEPS + 1
+
+
+def test_mixed_steps_slower_than_predicted_shrink_the_next_chunk():
+    """``correction()``: the latest mixed steps' measured prefill part over the fit's
+    prediction for them divides the cap's budget; never below 1 (steps faster than
+    predicted do not grow the chunks past the fit's cap)."""
+    model = StepCostModel(window=64)
+    for d in (8, 16, 32):
+        model.observe(d, 0, step_time(d, 0))
+    model.observe(32, 100, step_time(32, 100))
+    fitted_cap = model.max_prefill_tokens(32, 1.5)
+    assert model.correction() == pytest.approx(1.0)
+    # Chunks the cap picks take twice what the fit predicts beyond the decode rows
+    # (a cost the linear form cannot hold: here a fixed part that grows as chunks shrink).
+    # The fit follows the slower chunks too; the factor is against its prediction
+    # before each ran.
+    for _ in range(8):
+        n = fitted_cap
+        model.observe(32, n, step_time(32, 0) + 2 * C * n, prefill_context(0, n))
+    assert model.correction() > 1.2
+    slower = model.max_prefill_tokens(32, 1.5)
+    _, _, c, _ = model.coefficients()
+    budget = 0.5 * step_time(32, 0)
+    assert slower < budget / c / model.correction() + 1
+    assert slower < fitted_cap
+    fast = StepCostModel(window=64)
+    for d in (8, 16, 32):
+        fast.observe(d, 0, step_time(d, 0))
+    for _ in range(8):
+        fast.observe(32, 100, step_time(32, 0) + 0.5 * C * 100)
+    assert fast.correction() == 1.0, "faster than predicted: no growth past the fit"

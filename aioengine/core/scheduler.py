@@ -32,6 +32,12 @@ from aioengine.request import Request, RequestStatus
 from aioengine.spec_decode.config import SpeculativeConfig
 from aioengine.spec_decode.scheduling import SpecDecodeScheduler
 
+# While requests decode and prompts keep arriving, after this many steps in a row with
+# a prompt chunk the next step carries none: the chunked-prefill cap's reference, a
+# decode-only step's time, is measured only on such steps, and a machine that slowed
+# (other work on its cores) or sped up since would otherwise keep an old one.
+REFERENCE_REFRESH_STEPS = 32
+
 
 @dataclass
 class SchedulerStats:
@@ -150,6 +156,9 @@ class Scheduler:
         self._known_to_worker: set[str] = set()
         self.stats = SchedulerStats()
         self.step_cost = StepCostModel()
+        # Steps in a row that carried a prompt chunk beside decode rows (the cap's
+        # decode-only reference is not re-measured in them).
+        self._mixed_steps_in_a_row = 0
         self._step_id = 0
         self._scheduled_order: list[Request] = []
         # Async scheduling: sampled tokens not yet applied, launched steps not yet
@@ -300,6 +309,10 @@ class Scheduler:
         ratio = self.config.chunked_prefill_itl_ratio
         if not ratio or not self.config.enable_chunked_prefill:
             return budget
+        if self._mixed_steps_in_a_row >= REFERENCE_REFRESH_STEPS:
+            # A decode-only step now and then keeps the reference measured (the
+            # machine may have slowed or sped up since the last one).
+            return 0
         num_decodes = num_prefilling = prefix = 0
         for r in self.running:
             ahead = self._num_tokens_ahead(r) - r.num_computed_tokens
@@ -329,6 +342,7 @@ class Scheduler:
         num_reqs = output.num_reqs
         if not drafts and output.total_num_scheduled_tokens == num_reqs:
             # Decode-only (every request scheduled for one token): no prefill, no context.
+            self._mixed_steps_in_a_row = 0
             self.step_cost.observe(
                 num_reqs, 0, runner_output.forward_time + runner_output.sample_time, 0
             )
@@ -337,6 +351,7 @@ class Scheduler:
             r.num_computed_tokens for r in output.scheduled_cached_reqs
         ]
         num_decodes = num_prefill = context = 0
+        has_chunk = False  # a prompt chunk (drafts alone are not one)
         for req_id, num_new, before in zip(output.req_ids(), output.num_scheduled_tokens, computed):
             num_drafts = len(drafts.get(req_id, ()))
             if num_new - num_drafts == 1:
@@ -346,6 +361,9 @@ class Scheduler:
             else:
                 num_prefill += num_new
                 context += prefill_context(before, num_new)
+                has_chunk = True
+        if num_decodes:
+            self._mixed_steps_in_a_row = self._mixed_steps_in_a_row + 1 if has_chunk else 0
         self.step_cost.observe(
             num_decodes,
             num_prefill,

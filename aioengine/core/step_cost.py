@@ -42,6 +42,14 @@ the line (all of one batch size, or a fit with a negative part) it goes
 through the origin (``a = 0``): that errs toward a smaller cap, never a longer
 step, as it charges the intercept of a prefill-only step to its tokens and
 predicts less time, not more, for a smaller batch.
+
+The machine's speed is not fixed (other work on its cores, the engine's own): each
+sample's weight in both fits halves every ``HALF_LIFE_STEPS`` steps, a prefill step
+faster than the decode line allows for its rows is left out, and the cap divides its
+budget by ``correction()``, how much longer the latest mixed steps took than the fit
+predicted for them. The scheduler runs a decode-only step after
+``REFERENCE_REFRESH_STEPS`` mixed ones in a row, so the decode line is measured again
+while prompts keep arriving (aioengine/core/scheduler.py).
 """
 
 from __future__ import annotations
@@ -55,9 +63,20 @@ MIN_SAMPLES = 1
 # below 1 by more than this (relative determinant of the normal equations):
 # chunks all of one size at one offset do not.
 RANK_TOLERANCE = 1e-6
-# A prefill token always costs something: the floor of ``c`` keeps the cap finite
-# when noise (a shared machine) makes the slope come out at or below 0.
+# A prefill token always costs something: the floor of ``c`` when noise (a shared
+# machine) or a machine that just slowed (its earlier chunks then look cheaper than
+# free beside the new decode line) makes the slope come out at or below 0. The cap
+# trusts no such fit: it is 0 (the scheduler's floor, one block) until the slope is
+# positive again, never the whole budget.
 MIN_TOKEN_COST = 1e-9
+# Steps (of either kind) after which a sample's weight in the fit halves: the fit
+# follows a machine that slowed or sped up (other work on its cores) within a few
+# dozen steps, not only once ``window`` newer samples of each kind pushed the old out.
+HALF_LIFE_STEPS = 16
+# The latest mixed steps whose measured prefill part corrects the fit's prediction
+# (``StepCostModel.correction``), and the bounds of that factor.
+CORRECTION_WINDOW = 8
+CORRECTION_RANGE = (1.0, 4.0)
 
 
 def prefill_context(num_computed: int, num_new: int) -> int:
@@ -81,11 +100,15 @@ class StepCostModel:
     def __init__(self, window: int = 64) -> None:
         if window < MIN_SAMPLES:
             raise ValueError(f"window must be >= {MIN_SAMPLES}, got {window}")
-        self._decode_steps: deque[tuple[int, float]] = deque(maxlen=window)
-        self._prefill_steps: deque[tuple[int, int, int, float]] = deque(maxlen=window)
+        # Each sample with the number of the step it was (``_num_observed`` then).
+        self._decode_steps: deque[tuple[int, float, int]] = deque(maxlen=window)
+        self._prefill_steps: deque[tuple[int, int, int, float, int]] = deque(maxlen=window)
+        self._num_observed = 0
         self._fit: tuple[float, float, float, float] | None = None
         self._slope = MIN_TOKEN_COST  # the linear model's c (e = 0), same steps
         self._stale = False
+        # (predicted, measured) time beyond the decode rows' of the latest mixed steps.
+        self._mixed_errors: deque[tuple[float, float]] = deque(maxlen=CORRECTION_WINDOW)
 
     def observe(
         self,
@@ -106,9 +129,18 @@ class StepCostModel:
         if num_prefill_tokens:
             if context is None:
                 context = prefill_context(0, num_prefill_tokens)
-            self._prefill_steps.append((num_decode_rows, num_prefill_tokens, context, step_time))
+            # Against the fit the cap last used (its prediction for this chunk).
+            if num_decode_rows and (fit := self._fit) is not None:
+                a, b, c, e = fit
+                self._mixed_errors.append(
+                    (c * num_prefill_tokens + e * context, step_time - a - b * num_decode_rows)
+                )
+            self._prefill_steps.append(
+                (num_decode_rows, num_prefill_tokens, context, step_time, self._num_observed)
+            )
         else:
-            self._decode_steps.append((num_decode_rows, step_time))
+            self._decode_steps.append((num_decode_rows, step_time, self._num_observed))
+        self._num_observed += 1
         self._stale = True
 
     def coefficients(self) -> tuple[float, float, float, float] | None:
@@ -123,12 +155,18 @@ class StepCostModel:
     def _refit(self) -> tuple[float, float, float, float] | None:
         if len(self._decode_steps) < MIN_SAMPLES or len(self._prefill_steps) < MIN_SAMPLES:
             return None
-        n = len(self._decode_steps)
-        mean_d = sum(d for d, _ in self._decode_steps) / n
-        mean_t = sum(t for _, t in self._decode_steps) / n
-        var_d = sum((d - mean_d) ** 2 for d, _ in self._decode_steps)
-        cov_dt = sum((d - mean_d) * (t - mean_t) for d, t in self._decode_steps)
-        b = cov_dt / var_d if var_d > 0 else -1.0
+        newest = self._num_observed - 1
+        decodes = [
+            (d, t, 0.5 ** ((newest - i) / HALF_LIFE_STEPS)) for d, t, i in self._decode_steps
+        ]
+        total = sum(w for _, _, w in decodes)
+        mean_d = sum(w * d for d, _, w in decodes) / total
+        mean_t = sum(w * t for _, t, w in decodes) / total
+        var_d = sum(w * (d - mean_d) ** 2 for d, _, w in decodes)
+        cov_dt = sum(w * (d - mean_d) * (t - mean_t) for d, t, w in decodes)
+        # Batch sizes that differ only in samples of negligible weight do not place a
+        # line: the weighted spread of D must be at least half a row.
+        b = cov_dt / var_d if var_d > 0.25 * total else -1.0
         a = mean_t - b * mean_d
         if a < 0 or b < 0:  # one batch size, or noise (a shared machine)
             a, b = 0.0, mean_t / mean_d
@@ -137,10 +175,34 @@ class StepCostModel:
         # whose prompt chunks take a slower path). Prefill-only steps count only
         # while no mixed step is known.
         steps = [s for s in self._prefill_steps if s[0] > 0] or self._prefill_steps
-        rows = [(p, k, t - a - b * d) for d, p, k, t in steps]
+        # A step faster than the decode line predicts for its decode rows alone says
+        # nothing of its chunk's cost (noise, or a machine that has slowed since: its
+        # earlier chunks would look free beside today's line): left out.
+        rows = [
+            (p, k, r, 0.5 ** ((newest - i) / HALF_LIFE_STEPS))
+            for d, p, k, t, i in steps
+            if (r := t - a - b * d) > 0
+        ]
         c, e = _nonnegative_fit(rows)
-        self._slope = _nonnegative_fit([(p, 0, r) for p, _, r in rows])[0]
+        self._slope = _nonnegative_fit([(p, 0, r, w) for p, _, r, w in rows])[0]
         return a, b, c, e
+
+    def correction(self) -> float:
+        """How much longer the latest ``CORRECTION_WINDOW`` mixed steps' prefill part
+        took than the fit predicted before each ran (their measured time beyond
+        ``a + b * D``, summed, over the predicted ``c * P + e * K``, summed), within
+        ``CORRECTION_RANGE``; 1.0 before any. The least-squares fit is unbiased over
+        its whole window, not where the cap puts the next chunk: a cost it does not
+        model (a chunk's fixed work, threads left idle by a few attention tasks, the
+        engine's own work on the same cores) shows as a steady error on the chunks
+        the cap picks, and the cap divides its budget by this factor so their
+        measured times meet the ratio (output-error feedback, as in model
+        predictive control)."""
+        predicted = sum(p for p, _ in self._mixed_errors)
+        if predicted <= 0:
+            return 1.0
+        low, high = CORRECTION_RANGE
+        return min(high, max(low, sum(m for _, m in self._mixed_errors) / predicted))
 
     def decode_step_time(self, num_decode_rows: int) -> float | None:
         """Predicted time of a step of ``num_decode_rows`` decodes and no
@@ -178,8 +240,8 @@ class StepCostModel:
         if decode_time is None or joined_time is None or fit is None:
             return None
         _, _, c, e = fit
-        budget = itl_ratio * joined_time - decode_time
-        if budget <= 0:
+        budget = (itl_ratio * joined_time - decode_time) / self.correction()
+        if budget <= 0 or self._slope <= MIN_TOKEN_COST:
             return 0
         # (e / 2) n^2 + (c + e (s + 1/2)) n - budget = 0, in its cancellation-free form.
         linear = c + e * (num_computed + 0.5)
@@ -190,22 +252,22 @@ class StepCostModel:
         return max(0, int(min(cap, budget / self._slope)))
 
 
-def _nonnegative_fit(rows: list[tuple[int, int, float]]) -> tuple[float, float]:
-    """``(c, e)`` minimizing ``sum (r - c * p - e * k)^2`` over ``(p, k, r)``: the
+def _nonnegative_fit(rows: list[tuple[int, int, float, float]]) -> tuple[float, float]:
+    """``(c, e)`` minimizing ``sum w (r - c * p - e * k)^2`` over ``(p, k, r, w)``: the
     least-squares pair where both parts come out positive and the rows tell the
     columns apart; else the tokens' slope alone (``e = 0``, the linear model). A
     fit of ``e`` alone (``c = 0``) is not taken: it would let a prompt's first
     chunk (no prefix) grow to ``sqrt(2 budget / e)`` tokens on the strength of
     noise. ``c`` is floored at ``MIN_TOKEN_COST``."""
-    spp = sum(p * p for p, _, _ in rows)
-    skk = sum(float(k) * k for _, k, _ in rows)
-    spk = sum(float(p) * k for p, k, _ in rows)
-    spr = sum(p * r for p, _, r in rows)
-    skr = sum(k * r for _, k, r in rows)
+    spp = sum(w * p * p for p, _, _, w in rows)
+    skk = sum(w * float(k) * k for _, k, _, w in rows)
+    spk = sum(w * float(p) * k for p, k, _, w in rows)
+    spr = sum(w * p * r for p, _, r, w in rows)
+    skr = sum(w * k * r for _, k, r, w in rows)
     det = spp * skk - spk * spk
     if det > RANK_TOLERANCE * spp * skk:
         c = (skk * spr - spk * skr) / det
         e = (spp * skr - spk * spr) / det
         if c > 0 and e >= 0:
             return c, e
-    return max(spr / spp, MIN_TOKEN_COST), 0.0
+    return max(spr / spp, MIN_TOKEN_COST) if spp > 0 else MIN_TOKEN_COST, 0.0
