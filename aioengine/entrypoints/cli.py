@@ -50,7 +50,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "per 32; embedding and LM head Q8_0). GGUF files run in their own "
                         "formats and need no flag (default: none)")
     g.add_argument("--max-model-len", type=int, default=0,
-                   help="context length in tokens (default: the model's)")
+                   help="context length in tokens; 0 takes the model's own (GGUF "
+                        "context_length, config.json max_position_embeddings), and a "
+                        "larger value is refused (default: 0)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
                    help="memory for the KV cache in GiB (default: 1)")
