@@ -498,7 +498,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate once for a prompt and print it",
                               description="Generate once for a prompt (no server) and print "
                                           "the text to stdout.")
-    p.add_argument("prompt", help="the prompt ('-' reads stdin)")
+    p.add_argument("prompt", help="the prompt ('-' reads stdin, less one trailing newline)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=128,
@@ -515,11 +515,19 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_generate, executor=None)
 
 
+def read_stdin_prompt() -> str:
+    """stdin less one trailing newline (``\\n`` or ``\\r\\n``): the one ``echo`` and editors
+    end a line with is not part of the prompt. One only, where ``$(...)`` strips them all:
+    a blank line the user wrote on purpose stays."""
+    text = sys.stdin.read()
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+
+
 def run_generate(args: argparse.Namespace) -> None:
     from aioengine import LLM, SamplingParams
     from aioengine.sampling_params import SamplingParamError
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_stdin_prompt() if args.prompt == "-" else args.prompt
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, stop=args.stop,
