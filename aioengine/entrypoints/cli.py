@@ -55,7 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "larger value is refused (default: 0)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
-                   help="memory for the KV cache in GiB (default: 1)")
+                   help="memory for the KV cache in GiB, per worker: each tensor-parallel "
+                        "rank and data-parallel replica holds its own (default: 1)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3",
                             "fp8_e5m2"],
