@@ -45,7 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("AIOENGINE_AMX", "0")
 UNIT_MODULES = frozenset({
     "test_block_pool.py", "test_block_pool_property.py", "test_import_boundaries.py",
-    "test_kv_fork_cow.py", "test_cli_help.py",
+    "test_kv_fork_cow.py", "test_cli_help.py", "test_cli_generate.py",
     "test_sampler.py", "test_scheduler.py", "test_shm_ring.py", "test_tool_parsers.py",
     "test_unit_engine.py", "test_unit_http.py", "test_unit_router.py",
 })

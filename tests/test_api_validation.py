@@ -198,12 +198,12 @@ def test_tokenize_and_detokenize_validate_too(http):
 def test_empty_prompts_get_a_400_naming_the_prompt_and_empty_messages_an_answer(server):
     """An empty completion prompt has no token to generate from: 400 on
     ``prompt``. An empty chat message is not an empty prompt (the template
-    wraps it in role tokens): it is answered, one token for ``max_tokens: 1``."""
+    wraps it in role tokens): it is answered, one token for ``max_tokens: 1``
+    (a message with no ``content`` at all is a 400, the test below)."""
     requests = [(COMPLETIONS, {"prompt": ""}, 400), (COMPLETIONS, {"prompt": [[]]}, 400),
                 (CHAT, {"messages": [{"role": "user", "content": ""}]}, 200),
                 (CHAT, {"messages": [{"role": "user", "content": []}]}, 200),
-                (CHAT, {"messages": [{"role": "system", "content": ""}]}, 200),
-                (CHAT, {"messages": [{"role": "user", "content": None}]}, 200)]
+                (CHAT, {"messages": [{"role": "system", "content": ""}]}, 200)]
 
     async def go():
         async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers,
@@ -218,6 +218,44 @@ def test_empty_prompts_get_a_400_naming_the_prompt_and_empty_messages_an_answer(
         else:
             assert_openai_error(r, 400, "prompt")
             assert r.json()["error"]["message"] == "the prompt is empty", body
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+
+
+@pytest.mark.parametrize("messages,index,why", [
+    ([{"role": "user", "contnet": "hi"}], 0, "a user message needs 'content'"),
+    ([{"role": "user"}], 0, "a user message needs 'content'"),
+    ([{"role": "user", "content": None}], 0, "a user message needs 'content'"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user"}], 1,
+     "a user message needs 'content'"),
+    ([{"role": "developer"}, {"role": "user", "content": "hi"}], 0,
+     "a developer message needs 'content'"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+      {"role": "user", "content": "and?"}], 1,
+     "an assistant message needs 'content' or 'tool_calls'"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "call_1"}], 2, "a tool message needs 'content'"),
+], ids=["misspelt", "absent", "null", "second", "developer", "assistant", "tool"])
+def test_a_message_without_content_is_a_400_naming_it(http, messages, index, why):
+    """OpenAI requires ``content`` in every turn but an assistant turn with
+    ``tool_calls``; a misspelt key must not become an empty turn that gets an answer."""
+    for path in (CHAT, "/tokenize"):
+        r = http.post(path, json={"messages": messages, "max_tokens": 1})
+        error = assert_openai_error(r, 400, "messages")
+        assert error["code"] == "missing_required_parameter", error
+        assert error["message"] == f"'messages[{index}].content' is a required field: {why}"
+
+
+def test_an_assistant_turn_with_tool_calls_needs_no_content(http):
+    for assistant in ({"role": "assistant", "content": None, "tool_calls": [CALL]},
+                      {"role": "assistant", "tool_calls": [CALL]}):
+        messages = [{"role": "user", "content": "Weather in Oslo?"}, assistant,
+                    {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+        r = http.post(CHAT, json={"messages": messages, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 1
 
 
 # -- authentication --------------------------------------------------------------------------------

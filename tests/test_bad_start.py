@@ -79,6 +79,14 @@ CASES: list[tuple[str, Flags, str]] = [
      lambda t: ["--model", str(write_gguf(t / "gpt2.gguf", "gpt2"))], "architecture 'gpt2'"),
     ("unsupported-architecture-hf", lambda t: ["--model", str(_hf_folder(t, "bert"))],
      "architecture 'bert'"),
+    ("hf-without-safetensors", lambda t: ["--model", str(_hf_folder(t, "llama"))],
+     "no *.safetensors files in "),
+    ("max-model-len-beyond-gguf-context", lambda t: ["--max-model-len", "100000"],
+     "--max-model-len 100000 exceeds the model's context length of 8192 tokens"),
+    ("max-model-len-beyond-hf-context",
+     lambda t: ["--model", str(_hf_folder(t, "llama", max_position_embeddings=64,
+                                          safetensors=True)), "--max-model-len", "65"],
+     "--max-model-len 65 exceeds the model's context length of 64 tokens"),
     ("gguf-without-tokenizer",
      lambda t: ["--model", str(write_gguf(t / "bare.gguf", "llama", tokenizer=False))],
      "no tokenizer"),
@@ -123,12 +131,16 @@ def _unreadable(path: Path) -> Path:
     return path
 
 
-def _hf_folder(tmp: Path, model_type: str) -> Path:
+def _hf_folder(tmp: Path, model_type: str, safetensors: bool = False, **config) -> Path:
+    """An HF folder with a config.json (``config`` adds keys) and, with ``safetensors``,
+    an empty ``model.safetensors`` (the checks only look for one)."""
     folder = tmp / "hf"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
         "model_type": model_type, "num_attention_heads": 2, "num_hidden_layers": 1,
-        "hidden_size": 8}))
+        "hidden_size": 8, **config}))
+    if safetensors:
+        (folder / "model.safetensors").write_bytes(b"")
     return folder
 
 
@@ -190,8 +202,8 @@ def test_the_default_model_passes_and_its_header_is_read_right():
     t0 = time.perf_counter()
     shape = preflight.check_model(EngineConfig())
     assert time.perf_counter() - t0 < 1.0
-    assert (shape.architecture, shape.num_layers, shape.num_kv_heads, shape.head_dim) == \
-        ("llama", 30, 3, 64)
+    assert (shape.architecture, shape.num_layers, shape.num_kv_heads, shape.head_dim,
+            shape.context_length) == ("llama", 30, 3, 64, 8192)
     header = preflight.read_gguf_header(default_model_path())
     size = os.path.getsize(default_model_path())
     assert header.num_tensors == 272

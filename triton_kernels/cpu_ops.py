@@ -232,7 +232,12 @@ def load():
     with _lock:
         if _tried:
             return _module
-        if enabled():
+        if not enabled():
+            # Named like a failed build's, so the log says the torch path is in use and why
+            # (docs/troubleshooting.md §5).
+            logger.warning("aioengine CPU kernels unavailable, using the torch path: "
+                           "AIOENGINE_CPU_KERNELS=%s", os.environ.get("AIOENGINE_CPU_KERNELS"))
+        else:
             try:
                 if build_allowed():
                     logger.info("loading the C++ CPU kernels (the first build on a machine "

@@ -50,10 +50,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "per 32; embedding and LM head Q8_0). GGUF files run in their own "
                         "formats and need no flag (default: none)")
     g.add_argument("--max-model-len", type=int, default=0,
-                   help="context length in tokens (default: the model's)")
+                   help="context length in tokens; 0 takes the model's own (GGUF "
+                        "context_length, config.json max_position_embeddings), and a "
+                        "larger value is refused (default: 0)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
-                   help="memory for the KV cache in GiB (default: 1)")
+                   help="memory for the KV cache in GiB, per worker: each tensor-parallel "
+                        "rank and data-parallel replica holds its own (default: 1)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3",
                             "fp8_e5m2"],
@@ -502,7 +505,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate once for a prompt and print it",
                               description="Generate once for a prompt (no server) and print "
                                           "the text to stdout.")
-    p.add_argument("prompt", help="the prompt ('-' reads stdin)")
+    p.add_argument("prompt", help="the prompt ('-' reads stdin, less one trailing newline)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=128,
@@ -519,12 +522,20 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_generate, executor=None)
 
 
+def read_stdin_prompt() -> str:
+    """stdin less one trailing newline (``\\n`` or ``\\r\\n``): the one ``echo`` and editors
+    end a line with is not part of the prompt. One only, where ``$(...)`` strips them all:
+    a blank line the user wrote on purpose stays."""
+    text = sys.stdin.read()
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+
+
 def run_generate(args: argparse.Namespace) -> None:
     _check_kv_cache_dtype(args)
     from aioengine import LLM, SamplingParams
     from aioengine.sampling_params import SamplingParamError
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_stdin_prompt() if args.prompt == "-" else args.prompt
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, stop=args.stop,

@@ -5,8 +5,10 @@ exit code 1.
 What is checked, each from cheap reads only (no torch, no transformers, no
 weights): the model file is a readable regular file, a GGUF file whose
 header, metadata and tensor table parse and whose tensor data the file
-holds in full (a truncated download); its architecture is one our model code
-implements and it carries a tokenizer; the KV cache memory holds at least
+holds in full (a truncated download), or an HF folder's config.json beside
+its ``*.safetensors`` files; its architecture is one our model code
+implements and it carries a tokenizer; ``--max-model-len`` is within the
+model's context length; the KV cache memory holds at least
 two blocks of this model and fits in the memory the machine has free; and
 the listening address is free (the socket is bound here and handed to
 uvicorn, so nothing can take the port while the model loads).
@@ -55,12 +57,14 @@ class StartupError(Exception):
 
 @dataclass
 class ModelShape:
-    """What the checks need of a model: its architecture and KV cache geometry."""
+    """What the checks need of a model: its architecture, KV cache geometry and
+    context length (tokens; None where the model file does not say)."""
 
     architecture: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    context_length: int | None = None
 
     def kv_bytes_per_block(self, block_size: int, dtype: str, tp: int = 1,
                            kv_cache_dtype: str = "auto") -> int:
@@ -221,7 +225,9 @@ def _ggml_quant_sizes() -> dict[int, tuple[int, int]]:
 
 
 def gguf_shape(header: GGUFHeader, path: str | Path) -> ModelShape:
-    """The architecture and KV geometry from GGUF metadata (``{arch}.block_count`` ...)."""
+    """The architecture, KV geometry and context length from GGUF metadata
+    (``{arch}.block_count`` ...; ``{arch}.context_length``, 2048 where absent, as
+    ``gguf_loader`` reads it)."""
     m = header.metadata
     arch = m.get("general.architecture")
     if not isinstance(arch, str):
@@ -231,7 +237,8 @@ def gguf_shape(header: GGUFHeader, path: str | Path) -> ModelShape:
         shape = ModelShape(arch, int(m[f"{arch}.block_count"]),
                            int(m.get(f"{arch}.attention.head_count_kv") or num_heads),
                            int(m.get(f"{arch}.attention.key_length")
-                               or m[f"{arch}.embedding_length"] // num_heads))
+                               or m[f"{arch}.embedding_length"] // num_heads),
+                           int(m.get(f"{arch}.context_length") or 2048))
     except (KeyError, TypeError, ZeroDivisionError):
         # Not one of ours anyway: the architecture check names the real problem.
         shape = ModelShape(arch, 0, 0, 0)
@@ -239,7 +246,9 @@ def gguf_shape(header: GGUFHeader, path: str | Path) -> ModelShape:
 
 
 def hf_shape(folder: str | Path) -> ModelShape:
-    """The architecture and KV geometry from an HF folder's config.json."""
+    """The architecture, KV geometry and context length (``max_position_embeddings``;
+    None where config.json has none: transformers' default differs by model type)
+    from an HF folder's config.json."""
     path = Path(folder) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -254,7 +263,9 @@ def hf_shape(folder: str | Path) -> ModelShape:
         num_heads = int(config["num_attention_heads"])
         shape = ModelShape(arch, int(config["num_hidden_layers"]),
                            int(config.get("num_key_value_heads") or num_heads),
-                           int(config.get("head_dim") or config["hidden_size"] // num_heads))
+                           int(config.get("head_dim") or config["hidden_size"] // num_heads),
+                           int(config["max_position_embeddings"])
+                           if config.get("max_position_embeddings") else None)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         shape = ModelShape(arch, 0, 0, 0)
     return shape
@@ -284,6 +295,12 @@ def check_model(config: Any) -> ModelShape:
                            f"{', '.join(SUPPORTED_ARCHITECTURES)})")
     if shape.num_layers <= 0 or shape.num_kv_heads <= 0 or shape.head_dim <= 0:
         raise StartupError(f"model {model_path} lacks its layer or attention-head counts")
+    if not config.model.is_gguf and not any(model_path.glob("*.safetensors")):
+        raise StartupError(f"no *.safetensors files in {model_path}")  # the loader's words
+    requested = config.model.max_model_len
+    if requested and shape.context_length and requested > shape.context_length:
+        raise StartupError(f"--max-model-len {requested} exceeds the model's context length "
+                           f"of {shape.context_length} tokens (0 takes the model's own)")
     cache = config.cache
     per_block = shape.kv_bytes_per_block(cache.block_size, config.model.dtype,
                                          config.parallel.tensor_parallel_size,

@@ -19,7 +19,8 @@ import re
 import time
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from aioengine.engine.beam_search import BeamSearchParams
 from aioengine.sampling_params import SamplingParamError, SamplingParams
@@ -127,7 +128,13 @@ def validation_error(exc: ValidationError) -> APIError:
         return APIError(400, "the request body must be a JSON object", None, "invalid_type")
     param = str(loc[0])
     if kind == "missing":
-        return APIError(400, f"'{_loc_path(loc)}' is a required field", param,
+        # A model validator's missing field (ChatMessage.content) is reported at the
+        # model's location; its context names the field and why it is required there.
+        ctx = first.get("ctx") or {}
+        if "field" in ctx:
+            loc = (*loc, ctx["field"])
+        why = f": {ctx['why']}" if "why" in ctx else ""
+        return APIError(400, f"'{_loc_path(loc)}' is a required field{why}", param,
                         "missing_required_parameter")
     branches = [tuple(e["loc"]) for e in errors if e["loc"] and e["loc"][0] == loc[0]]
     if len(branches) > 1:
@@ -196,13 +203,28 @@ class ToolCallInput(_Request):
 
 class ChatMessage(_Request):
     """One conversation turn. ``content`` may be a string or a list of text parts;
-    an assistant turn may carry ``tool_calls``, a ``tool`` turn its ``tool_call_id``."""
+    an assistant turn may carry ``tool_calls``, a ``tool`` turn its ``tool_call_id``.
+
+    ``content`` is required (absent and ``null`` alike are a 400
+    ``missing_required_parameter``), as OpenAI requires it, except in an assistant
+    turn with ``tool_calls``: a misspelt key (``"contnet"``) must not become an
+    empty turn that is silently answered.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallInput] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            why = ("an assistant message needs 'content' or 'tool_calls'"
+                   if self.role == "assistant" else f"a {self.role} message needs 'content'")
+            raise PydanticCustomError("missing", "Field required",
+                                      {"field": "content", "why": why})
+        return self
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates take it: ``tool_calls[].function.arguments``
