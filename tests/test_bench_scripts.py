@@ -240,6 +240,17 @@ def test_cpu_decode_script_writes_both_paths(tmp_path: Path) -> None:
     assert (tmp_path / "cpu_decode.png").stat().st_size > 0
 
 
+def test_decode_steps_script_splits_block_boundaries(tmp_path: Path) -> None:
+    out = tmp_path / "decode_steps.json"
+    run_script("decode_steps.py", "--streams", "3", "--steps", "40", "--output-json", str(out))
+    report = json.loads(out.read_text())
+    # 40 tokens after a 32-token prompt: positions 32..71 cross blocks at 32, 48 and 64.
+    assert report["block_size"] == 16
+    assert report["boundary_steps"] == 3 and report["other_steps"] == 39 - 3
+    assert report["boundary_ms_p50"] > 0 and report["other_ms_p50"] > 0
+    assert report["cpu"]["model"]
+
+
 def _side(ready_s: float, tok_s: dict[int, float], ttft_ms: dict[int, float],
           batch1: float) -> dict:
     streams = [{"concurrency": c, "output_throughput": t, "ttft": {"p50_ms": ttft_ms[c]},

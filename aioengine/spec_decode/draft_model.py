@@ -74,7 +74,7 @@ class DraftModelProposer:
             choose_dtype,
             choose_kv_cache_dtype,
             cpu_flags,
-            lazy_zeros,
+            resident_zeros,
         )
 
         t0 = time.perf_counter()
@@ -109,7 +109,7 @@ class DraftModelProposer:
         self.max_num_seqs = config.scheduler.max_num_seqs
         num_blocks = self.num_target_blocks + self.max_num_seqs * self.scratch_blocks_per_seq
         a = self.arch
-        self.kv_cache = lazy_zeros(
+        self.kv_cache = resident_zeros(
             (a.num_layers, 2, num_blocks, bs, a.num_kv_heads, a.head_dim), kv_dtype
         )
         logger.info(

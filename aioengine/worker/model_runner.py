@@ -153,18 +153,30 @@ def grammar_bitmask_rows(so: SchedulerOutput, sampling_states: list[CachedReques
     return torch.tensor(rows, dtype=torch.int64), torch.from_numpy(bitmask[list(picks)])
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor whose pages are not touched until written.
+def resident_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are all in memory before the first step: the KV
+    cache, written once here (in seconds per GiB on a 2-core VM: 0.7-1.7, over the
+    threads of ``torch.get_num_threads()``).
 
-    ``torch.zeros`` writes every byte, so a 1 GiB KV cache is resident from the start.
-    numpy's zeros is ``calloc``, which for large sizes maps fresh zero pages from the
-    kernel: the cache then costs memory as blocks are first written, not up front.
+    Left to be faulted in when first written (a ``calloc``'s fresh pages), every block
+    a step writes for the first time paid for its pages in that step: at a block
+    boundary 32 streams decoding together took 100 ms against 25 (bench/README.md,
+    "The KV cache's pages"), the p99 of their inter-token latency. vLLM (its CPU
+    backend's ``torch.zeros``) and llama.cpp (``ggml_backend_buffer_clear``) also
+    hold their whole cache from the start. numpy's ``zeros`` is one allocation (on
+    transparent huge pages where the kernel offers them) and ``zero_`` writes it over
+    the threads.
     """
     numel = 1
     for d in shape:
         numel *= d
     itemsize = torch.finfo(dtype).bits // 8
-    return torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8)).view(dtype).view(shape)
+    t0 = time.perf_counter()
+    cache = torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8))
+    cache.zero_()
+    logger.info("KV cache of %.2f GiB in memory in %.2f s", numel * itemsize / (1 << 30),
+                time.perf_counter() - t0)
+    return cache.view(dtype).view(shape)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -281,7 +293,7 @@ class ModelRunner:
         kv_shape = (a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads,
                     a.head_dim)
         self.kv_cache = (torch.zeros(kv_shape, dtype=self.kv_cache_dtype, device=self.device)
-                         if on_cuda else lazy_zeros(kv_shape, self.kv_cache_dtype))
+                         if on_cuda else resident_zeros(kv_shape, self.kv_cache_dtype))
         self.max_blocks_per_seq = -(-(self.max_model_len + 1) // self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self._last_step_end = 0.0  # perf_counter() at the end of the last step
