@@ -434,8 +434,9 @@ def _resident_fraction(t) -> float:  # t: torch.Tensor (torch imported lazily he
     vec = (ctypes.c_ubyte * (-(-length // page)))()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, \
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, (
         ctypes.get_errno()
+    )
     return sum(v & 1 for v in vec) / len(vec)
 
 
