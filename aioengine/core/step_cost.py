@@ -156,9 +156,7 @@ class StepCostModel:
         if len(self._decode_steps) < MIN_SAMPLES or len(self._prefill_steps) < MIN_SAMPLES:
             return None
         newest = self._num_observed - 1
-        decodes = [
-            (d, t, 0.5 ** ((newest - i) / HALF_LIFE_STEPS)) for d, t, i in self._decode_steps
-        ]
+        decodes = [(d, t, _recency(newest - i)) for d, t, i in self._decode_steps]
         total = sum(w for _, _, w in decodes)
         mean_d = sum(w * d for d, _, w in decodes) / total
         mean_t = sum(w * t for _, t, w in decodes) / total
@@ -179,9 +177,7 @@ class StepCostModel:
         # nothing of its chunk's cost (noise, or a machine that has slowed since: its
         # earlier chunks would look free beside today's line): left out.
         rows = [
-            (p, k, r, 0.5 ** ((newest - i) / HALF_LIFE_STEPS))
-            for d, p, k, t, i in steps
-            if (r := t - a - b * d) > 0
+            (p, k, r, _recency(newest - i)) for d, p, k, t, i in steps if (r := t - a - b * d) > 0
         ]
         c, e = _nonnegative_fit(rows)
         self._slope = _nonnegative_fit([(p, 0, r, w) for p, _, r, w in rows])[0]
@@ -250,6 +246,11 @@ class StepCostModel:
         # same steps): where the pair extrapolates to a short prefix from noisy
         # steps, the first chunk is not let grow past the chunks of the linear fit.
         return max(0, int(min(cap, budget / self._slope)))
+
+
+def _recency(age: int) -> float:
+    """A sample's weight ``age`` steps after it was observed (``HALF_LIFE_STEPS``)."""
+    return 0.5 ** (age / HALF_LIFE_STEPS)
 
 
 def _nonnegative_fit(rows: list[tuple[int, int, float, float]]) -> tuple[float, float]:
